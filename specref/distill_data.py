@@ -1,0 +1,283 @@
+"""Self-distillation data: the target's own answers to seed instructions, stored as token shards.
+
+Drafts and heads are trained on what the target itself writes (Medusa-2's and EAGLE's
+"self-distillation", Cai et al. 2024 Sec. 3.3; Li et al. 2024): the target answers a seed list of
+instructions (specref/data/instructions.jsonl: hand-written templates x topics, never Spec-Bench)
+with specref's own `autoregressive_generate`, batched and left-padded, at a configured temperature.
+Then one frozen forward of the target over each prompt + response stores the target's top-k
+log-probabilities at every response position, so training distils against p without running the
+target again (storing them once costs one parallel forward per sequence; recomputing them would
+cost a target forward per batch per epoch, ~15x the draft's own training step).
+
+Storage: `shard_#####.safetensors`, each holding a group of sequences as flat tensors
+(`tokens` (sum L,), `offsets` (S+1,), `prompt_lens` (S,), and when stored `topk_ids` /
+`topk_logprobs` (sum R, K) aligned with the response tokens: row j of a sequence is the target's
+distribution that predicted its response token j), and `manifest.json` (seed, counts, model
+fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
+the first missing shard, and read one at a time (`iter_sequences`).
+Left out: storing hidden states (heads that need them recompute them with the frozen target),
+mixing in external corpora, multi-turn conversations.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+
+INSTRUCTIONS = Path(__file__).with_name("data") / "instructions.jsonl"
+FORMAT = 1  # bump when the shard layout changes
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of the self-distillation data generation."""
+
+    seed: int = 0  # shuffles the instructions and seeds sampling (temperature > 0)
+    num_instructions: Optional[int] = None  # None: all of instructions.jsonl
+    max_new_tokens: int = 128  # longest response per instruction (Spec-Bench runs use 128)
+    temperature: float = 0.0  # 0: greedy responses, as in the greedy evaluation
+    batch_size: int = 16  # prompts generated together
+    shard_size: int = 64  # sequences per shard file
+    topk: int = 32  # target top-k log-probs stored per response position (0: none)
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch_size", "shard_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.topk, int) or self.topk < 0:
+            raise ValueError(f"topk must be an int >= 0, got {self.topk!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+
+
+@dataclass
+class Seq:
+    """One distilled sequence: prompt + response tokens, and the target's top-k at response slots."""
+
+    tokens: torch.Tensor  # (L,) long
+    prompt_len: int  # the response is tokens[prompt_len:]
+    topk_ids: Optional[torch.Tensor] = None  # (L - prompt_len, K) long
+    topk_logprobs: Optional[torch.Tensor] = None  # (L - prompt_len, K) float
+
+
+@dataclass
+class Batch:
+    """Right-padded training batch; position t is trained to predict tokens[:, t + 1]."""
+
+    tokens: torch.Tensor  # (B, T) long, 0-padded
+    attention: torch.Tensor  # (B, T) bool, real tokens
+    loss_mask: torch.Tensor  # (B, T) bool, positions whose next token is a response token
+    topk_ids: Optional[torch.Tensor] = None  # (B, T, K) long, target top-k at loss positions
+    topk_logprobs: Optional[torch.Tensor] = None  # (B, T, K) float, -inf outside loss positions
+
+    def to(self, device) -> "Batch":
+        f = (lambda x: None if x is None else x.to(device))
+        return Batch(f(self.tokens), f(self.attention), f(self.loss_mask), f(self.topk_ids),
+                     f(self.topk_logprobs))
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """16 hex digits identifying a model's weights: names, shapes and a strided sample of values."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(p.detach().flatten()[::4099].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def load_instructions(path=INSTRUCTIONS, limit: Optional[int] = None, seed: int = 0) -> List[dict]:
+    """The seed instructions, shuffled by `seed`, the first `limit` of them."""
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = [rows[i] for i in perm]
+    return rows if limit is None else rows[:limit]
+
+
+def chat_prompt_ids(tokenizer, text: str) -> List[int]:
+    """One user turn through the tokenizer's chat template, ready for the assistant's answer."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0):
+    """List of token lists -> (ids (B, T), attention_mask (B, T)), left-padded."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)  # (B, T)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+def collate(seqs: Sequence[Seq], max_len: Optional[int] = None) -> Batch:
+    """Right-pad sequences into a Batch (truncated to max_len tokens when given)."""
+    lens = [min(len(s.tokens), max_len or len(s.tokens)) for s in seqs]
+    B, T = len(seqs), max(lens)
+    tokens = torch.zeros((B, T), dtype=torch.long)  # (B, T)
+    attention = torch.zeros((B, T), dtype=torch.bool)  # (B, T)
+    loss_mask = torch.zeros((B, T), dtype=torch.bool)  # (B, T)
+    have_topk = all(s.topk_ids is not None for s in seqs)
+    K = seqs[0].topk_ids.shape[1] if have_topk else 0
+    ids = torch.zeros((B, T, K), dtype=torch.long)  # (B, T, K)
+    logp = torch.full((B, T, K), float("-inf"))  # (B, T, K)
+    for b, (s, L) in enumerate(zip(seqs, lens)):
+        tokens[b, :L] = s.tokens[:L]
+        attention[b, :L] = True
+        P = s.prompt_len
+        loss_mask[b, P - 1: L - 1] = True  # position t predicts token t + 1 in the response
+        if have_topk and L > P:
+            ids[b, P - 1: L - 1] = s.topk_ids[: L - P]
+            logp[b, P - 1: L - 1] = s.topk_logprobs[: L - P].float()
+    if not have_topk:
+        return Batch(tokens, attention, loss_mask)
+    return Batch(tokens, attention, loss_mask, ids, logp)
+
+
+@torch.no_grad()
+def teacher_topk(target: torch.nn.Module, batch: Batch, k: int):
+    """The frozen target's top-k log-probs at every position of a right-padded batch.
+
+    Returns (ids (B, T, k) long, logprobs (B, T, k) float32)."""
+    out = target(input_ids=batch.tokens, attention_mask=batch.attention.long())
+    logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
+    vals, ids = logp.topk(k, dim=-1)  # (B, T, k)
+    return ids, vals
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def write_shard(path, seqs: Sequence[Seq]) -> None:
+    """Write sequences into one safetensors shard (atomically: temp file, then rename)."""
+    from safetensors.torch import save_file
+
+    lens = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.long)  # (S,)
+    tensors = {
+        "tokens": torch.cat([s.tokens.to(torch.int32) for s in seqs]),  # (sum L,)
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),  # (S+1,)
+        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.int32),  # (S,)
+    }
+    if all(s.topk_ids is not None for s in seqs):
+        tensors["topk_ids"] = torch.cat([s.topk_ids.to(torch.int32) for s in seqs])  # (sum R, K)
+        tensors["topk_logprobs"] = torch.cat([s.topk_logprobs.to(torch.float16) for s in seqs])  # (sum R, K)
+    tmp = str(path) + ".tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": str(FORMAT)})
+    os.replace(tmp, path)
+
+
+def read_shard(path) -> List[Seq]:
+    """The sequences of one shard."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    off, P = t["offsets"].tolist(), t["prompt_lens"].tolist()
+    seqs, r = [], 0
+    for i in range(len(P)):
+        tok = t["tokens"][off[i]: off[i + 1]].long()  # (L,)
+        R = len(tok) - P[i]
+        s = Seq(tok, P[i])
+        if "topk_ids" in t:
+            s.topk_ids = t["topk_ids"][r: r + R].long()  # (R, K)
+            s.topk_logprobs = t["topk_logprobs"][r: r + R].float()  # (R, K)
+        r += R
+        seqs.append(s)
+    return seqs
+
+
+def shard_paths(folder) -> List[Path]:
+    return sorted(Path(folder).glob("shard_*.safetensors"))
+
+
+def iter_sequences(folder) -> Iterator[Seq]:
+    """Stream every sequence of a data folder, one shard in memory at a time."""
+    for p in shard_paths(folder):
+        yield from read_shard(p)
+
+
+def read_manifest(folder) -> dict:
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} holds no manifest.json: not a specref distillation folder")
+    return json.loads(path.read_text())
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _eos_ids(model, tokenizer) -> List[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
+            instructions_path=INSTRUCTIONS, progress: bool = True) -> dict:
+    """Generate (or finish generating) the self-distilled data in out_dir; returns the manifest."""
+    from tqdm.auto import tqdm
+
+    from .generate import autoregressive_generate
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load_instructions(instructions_path, config.num_instructions, config.seed)
+    manifest = {
+        "format": FORMAT, "seed": config.seed, "settings": asdict(config),
+        "instructions": str(Path(instructions_path).name), "num_instructions": len(rows),
+        "model_fingerprint": fingerprint(model), "model": getattr(model.config, "_name_or_path", ""),
+        "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
+        "corpora": "none (self-distilled only)",
+    }
+    old = out / "manifest.json"
+    if old.is_file():
+        prev = json.loads(old.read_text())
+        same = {k: prev.get(k) for k in ("settings", "model_fingerprint", "num_instructions")}
+        if same != {k: manifest[k] for k in same}:
+            raise ValueError(f"{out} holds data made with other settings or another model; "
+                             "use a new folder")
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    n_shards = (len(rows) + config.shard_size - 1) // config.shard_size
+    bar = tqdm(total=len(rows), desc="self-distillation", unit="prompt", disable=not progress)
+    dev = next(model.parameters()).device
+    for s in range(n_shards):
+        path = out / f"shard_{s:05d}.safetensors"
+        group = rows[s * config.shard_size: (s + 1) * config.shard_size]
+        if path.is_file():
+            bar.update(len(group))
+            continue
+        prompts = [chat_prompt_ids(tokenizer, r["instruction"]) for r in group]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
+        seqs: List[Optional[Seq]] = [None] * len(prompts)
+        for b0 in range(0, len(order), config.batch_size):
+            idx = order[b0: b0 + config.batch_size]
+            ids, mask = left_pad([prompts[i] for i in idx], pad)  # (B, T)
+            gen = autoregressive_generate(model, ids.to(dev), mask.to(dev), max_new_tokens=config.max_new_tokens,
+                                          temperature=config.temperature, eos_token_id=eos,
+                                          seed=config.seed * 100003 + s * 1009 + b0)
+            part = [Seq(torch.tensor(prompts[i] + gen.row(j)), len(prompts[i])) for j, i in enumerate(idx)]
+            if config.topk:
+                batch = collate(part).to(dev)
+                tid, tlp = teacher_topk(model, batch, config.topk)  # (B, T, K)
+                for j, q in enumerate(part):
+                    P, L = q.prompt_len, len(q.tokens)
+                    q.topk_ids, q.topk_logprobs = tid[j, P - 1: L - 1].cpu(), tlp[j, P - 1: L - 1].cpu()
+            for j, i in enumerate(idx):
+                seqs[i] = part[j]
+            bar.update(len(idx))
+        write_shard(path, seqs)
+    bar.close()
+    counts = {"sequences": 0, "tokens": 0, "response_tokens": 0}
+    for q in iter_sequences(out):
+        counts["sequences"] += 1
+        counts["tokens"] += len(q.tokens)
+        counts["response_tokens"] += len(q.tokens) - q.prompt_len
+    manifest["counts"] = counts
+    manifest["shards"] = n_shards
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest

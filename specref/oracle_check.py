@@ -1,0 +1,349 @@
+"""The oracle for other implementations: is a rejection sampler lossless? Answered with p-values.
+
+Leviathan et al. 2023 (Algorithm 1, Theorem 3.5) and Chen et al. 2023: given drafts x_j ~ q_j, accept
+x_j with probability min(1, p_j(x)/q_j(x)), on the first rejection emit a token from
+norm(max(0, p_j - q_j)), after L accepted drafts emit a bonus token from p_{L+1}. With p and q fixed
+per position (as here) the result has an exact closed form, tested with chi-square (oracle.py):
+- pos j: the token emitted at position j, over rows that reached j, is distributed as p_j;
+- bonus: the token after all L drafts were accepted is distributed as p_{L+1};
+- residual j: the token emitted after rejecting at j is norm(max(0, p_j - q_j));
+- length: P(a accepted) = prod_{i<a} alpha_i (1 - alpha_a), alpha_i = sum_x min(p_i, q_i) (a < L);
+- joint: (a, y_1..y_m), m = min(a+1, J), P = prod_{i<m} min(p_i, q_i)(y_i) x [last factor].
+A deterministic draft (q = None) is q one-hot on the draft token. Rows are independent copies of a
+few "variants" (p, q, length) interleaved in one batch, so cross-row leaks also show. Tests are
+Bonferroni-corrected; two looks (1/8 of the samples, then all) at alpha/2 each stop a clear failure
+early. Plus structural checks: accepted tokens equal the drafts, -1 padding, counts in range.
+
+Left out: tree verification, whole decoders (check_generator: see the report of issue 6), typical
+acceptance. Mutants and the worked transformers example live in oracle_selftest.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .oracle import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
+
+APIS = ("specref", "vllm", "plain")
+
+
+@dataclass(frozen=True)
+class Variant:
+    p: torch.Tensor  # (K+1, V) target probs; rows after length+1 are junk the sampler must ignore
+    q: Optional[torch.Tensor]  # (K, V) draft probs (rows after length are junk), or None
+    drafts: Optional[torch.Tensor]  # (K,) fixed draft tokens when q is None, else None
+    length: int  # L, draft tokens of this row (0..K)
+    label: str
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    vocab: int  # V
+    k: int  # K, the padded draft width
+    variants: Tuple[Variant, ...]  # all with q, or all with q None
+
+
+@dataclass(frozen=True)
+class TestResult:
+    name: str  # "<case>/<variant> <test>"
+    kind: str  # "pos", "residual", "bonus", "length" or "joint"
+    p_value: float
+    statistic: float
+    dof: int
+    n: int  # samples in this test
+    tv: TvResult  # empirical TV to the exact distribution, with its confidence interval
+    detectable_tv: float  # TV this test detects with 95% power at the per-test threshold
+    worst: Tuple[Tuple[str, float, float], ...]  # (cell, expected, observed), worst first
+
+
+@dataclass(frozen=True)
+class Report:
+    passed: bool  # no structural error and every p_value >= threshold
+    alpha: float  # family-wise significance of the whole check
+    threshold: float  # per-test significance (alpha split over looks and tests)
+    tests: Tuple[TestResult, ...]
+    errors: Tuple[str, ...]  # structural failures (each alone fails the check)
+    samples: int  # sampler rows drawn in total
+    detectable_tv: float  # worst over variants of the pos-1 test's 95%-power detectable TV
+    stopped_early: bool
+
+    @property
+    def failures(self) -> Tuple[TestResult, ...]:
+        return tuple(t for t in self.tests if t.p_value < self.threshold)
+
+    def summary(self, top: int = 5) -> str:
+        fails = sorted(self.failures, key=lambda t: t.p_value)
+        lines = [
+            f"verdict: {'PASS' if self.passed else 'FAIL'} (alpha {self.alpha:g}, per-test {self.threshold:.2e}, "
+            f"{len(self.tests)} tests, {self.samples} samples{', stopped early' if self.stopped_early else ''})",
+            f"smallest TV deviation detectable with 95% power (first position, worst variant): {self.detectable_tv:.4f}",
+        ]
+        lines += [f"error: {e}" for e in self.errors[:top]]
+        shown = fails[:top] or sorted(self.tests, key=lambda t: t.p_value)[:1]
+        for t in shown:
+            cells = "; ".join(f"{c}: expected {e:.1f} observed {o:.0f}" for c, e, o in t.worst[:3])
+            lines.append(f"{'FAIL' if t in fails else 'min p'} {t.name}: p={t.p_value:.3g} chi2={t.statistic:.1f} "
+                         f"dof={t.dof} n={t.n} TV={t.tv.tv:.4f} [{t.tv.lower:.4f}, {t.tv.upper:.4f}] | {cells}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- adapters: everything -> (tokens, num_accepted)
+def adapt(fn: Callable, api: str) -> Callable:
+    """Wrap `fn` so that it is called as f(draft (B,K), p (B,K+1,V), q (B,K,V)|None, lengths (B,), generator)
+    and returns (tokens (B, K+1) -1 padded, num_accepted (B,)). Conventions:
+    - specref: fn(draft_tokens, p, q, *, lengths, generator) -> obj with .tokens/.num_accepted or a tuple;
+    - vllm: fn(draft_token_ids (T,), num_draft_tokens (B,) list, draft_probs (T, V)|None,
+      target_logits (T + B, V), generator) -> (B, max_k + 1) -1 padded; each request's rows of
+      target_logits are consecutive: its drafts' rows then its bonus row; logits = log p (temperature 1);
+    - plain: fn(p (L+1, V), q (L, V)|None, draft (L,), generator) -> emitted tokens (a+1,), one row a call.
+    """
+    if api == "specref":
+        def call(draft, p, q, lengths, gen):
+            out = fn(draft, p, q, lengths=lengths, generator=gen)
+            toks, acc = (out.tokens, out.num_accepted) if hasattr(out, "tokens") else (out[0], out[1])
+            return toks, acc
+    elif api == "vllm":
+        def call(draft, p, q, lengths, gen):
+            B, K = draft.shape
+            pos = torch.arange(K + 1, device=draft.device)  # (K+1,)
+            has_draft = pos[:K] < lengths[:, None]  # (B, K)
+            has_row = pos < lengths[:, None] + 1  # (B, K+1)
+            logits = torch.log(p[has_row])  # (T + B, V), -inf where p = 0
+            out = fn(draft[has_draft], lengths.tolist(), None if q is None else q[has_draft], logits, gen)
+            out = torch.as_tensor(out).reshape(B, -1)  # (B, max_k + 1)
+            toks = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
+            toks[:, : out.shape[1]] = out[:, : K + 1].cpu()
+            return toks, (toks != -1).sum(1) - 1
+    elif api == "plain":
+        def call(draft, p, q, lengths, gen):
+            B, K = draft.shape
+            toks = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # one tiny row per call: intra-op threads only add overhead
+            try:
+                for b in range(B):  # the plain convention is one row per call
+                    L = int(lengths[b])
+                    y = torch.as_tensor(fn(p[b, : L + 1], None if q is None else q[b, :L], draft[b, :L], gen))
+                    y = y.reshape(-1)[: K + 1].cpu()  # (a+1,)
+                    toks[b, : y.numel()] = y
+            finally:
+                torch.set_num_threads(threads)
+            return toks, (toks != -1).sum(1) - 1
+    else:
+        raise ValueError(f"api must be one of {APIS}, got {api!r}")
+    return call
+
+
+# ---------------------------------------------------------------- exact distributions of one variant
+def _exact(v: Variant, vocab: int):
+    """float64 p rows (L+1, V), effective q (L, V), min(p, q) (L, V), alphas (L,), P(length) (L+1,)."""
+    L = v.length
+    p = v.p[: L + 1].double().cpu().numpy()  # (L+1, V)
+    p = p / p.sum(1, keepdims=True)
+    if v.q is None:
+        q = np.eye(vocab)[v.drafts[:L].cpu().numpy()]  # (L, V) one-hot
+    else:
+        q = v.q[:L].double().cpu().numpy()  # (L, V)
+        q = q / q.sum(1, keepdims=True)
+    m = np.minimum(p[:L], q)  # (L, V)
+    alpha = m.sum(1)  # (L,)
+    reach = np.concatenate([[1.0], np.cumprod(alpha)])  # (L+1,) P(a >= j)
+    stop = np.concatenate([1.0 - alpha, [1.0]])  # (L+1,)
+    return p, q, m, alpha, reach * stop
+
+
+def _joint(p, q, m, alpha, L, vocab, max_cells):
+    """Exact probabilities of the joint cells (a, y_1..y_m) and the per-a offsets and widths m."""
+    J = max(1, min(L + 1, int(math.floor(math.log(max_cells) / math.log(max(vocab, 2))))))
+    probs, widths = [], []
+    for a in range(L + 1):  # at most K+1 blocks
+        w = min(a + 1, J)
+        if a + 1 <= J:
+            last = np.maximum(p[a] - q[a], 0.0) if a < L else p[L]  # (V,)
+            factors = [m[i] for i in range(a)] + [last]
+            scale = 1.0
+        else:
+            factors = [m[i] for i in range(J)]
+            scale = float(np.prod(alpha[J:a])) * ((1.0 - alpha[a]) if a < L else 1.0)
+        block = np.ones(1)
+        for f in factors:
+            block = np.outer(block, f).reshape(-1)  # (V^i,)
+        probs.append(block * scale)
+        widths.append(w)
+    probs = np.concatenate(probs)  # (cells,)
+    assert abs(probs.sum() - 1.0) < 1e-8, probs.sum()
+    offsets = np.cumsum([0] + [vocab**w for w in widths])[:-1]
+    return probs, offsets, widths
+
+
+def _num_tests(v: Variant) -> int:
+    L = v.length
+    return 1 if L == 0 else (L + 1) + L + 2  # positions + residuals + length + joint
+
+
+def _analyse(case: Case, vi: int, toks: np.ndarray, acc: np.ndarray, drafts: np.ndarray,
+             threshold: float, max_cells: int):
+    """Structural errors and chi-square tests of one variant's rows."""
+    v, V, name = case.variants[vi], case.vocab, f"{case.name}/{case.variants[vi].label}"
+    L, n = v.length, toks.shape[0]
+    errors, tests = [], []
+    pos = np.arange(toks.shape[1])  # (K+1,)
+    a = acc.astype(np.int64)  # (n,)
+    bad = (a < 0) | (a > L)  # (n,)
+    ac = np.clip(a, 0, L)  # (n,)
+    y_last = toks[np.arange(n), ac]  # (n,)
+    wrong_prefix = ((pos[None, :-1] < ac[:, None]) & (toks[:, :-1] != drafts)).any(1)  # (n,)
+    wrong_pad = ((pos[None] > ac[:, None]) & (toks != -1)).any(1)  # (n,)
+    out_range = (y_last < 0) | (y_last >= V)  # (n,)
+    for mask, what in ((bad, f"num_accepted outside [0, {L}]"), (wrong_prefix, "accepted tokens differ from the drafts"),
+                       (wrong_pad, "tokens after the emitted ones are not -1"), (out_range, f"emitted token not in [0, {V})")):
+        if mask.any():
+            r = int(np.flatnonzero(mask)[0])
+            errors.append(f"{name}: {int(mask.sum())}/{n} rows: {what} (e.g. num_accepted {int(a[r])}, tokens {toks[r].tolist()})")
+    ok = ~(bad | wrong_prefix | wrong_pad | out_range)  # (n,)
+    toks, a = toks[ok], a[ok]
+    p, q, m, alpha, plen = _exact(v, V)
+
+    def test(label, obs_idx, probs, cell_name):
+        if obs_idx.size == 0:
+            return
+        obs = np.bincount(obs_idx, minlength=probs.size).astype(np.float64)  # (cells,)
+        probs = probs / probs.sum()
+        g = chi_square_gof(obs, probs)
+        worst = tuple((cell_name(c.index), c.expected, c.observed) for c in g.worst_cells)
+        det = detectable_tv(g.n, max(2, g.num_cells_used), alpha=threshold, power=0.95)
+        tests.append(TestResult(f"{name} {label}", label.split()[0], g.p_value, g.statistic, g.dof, g.n,
+                                tv_distance(obs, probs), det, worst))
+
+    for j in range(L + 1):  # pos j (j = L: the bonus)
+        label = "bonus" if j == L else f"pos {j + 1}"
+        test(label, toks[a >= j, j], p[j], lambda c: f"token {c}")
+        if j < L and 1.0 - alpha[j] > 1e-12:
+            test(f"residual {j + 1}", toks[a == j, j], np.maximum(p[j] - q[j], 0.0), lambda c: f"token {c}")
+    if L > 0:
+        test("length", a, plen, lambda c: f"accepted {c}")
+        jp, offsets, widths = _joint(p, q, m, alpha, L, V, max_cells)
+        idx = np.empty(a.size, dtype=np.int64)  # (n,)
+        for aa in range(L + 1):
+            sel = a == aa
+            idx[sel] = offsets[aa] + joint_index(toks[sel, : widths[aa]], V)
+
+        def joint_name(c):
+            aa = int(np.searchsorted(offsets, c, side="right") - 1)
+            digits = np.unravel_index(c - offsets[aa], (V,) * widths[aa])
+            return f"accepted {aa}, tokens {tuple(int(d) for d in digits)}"
+        test("joint", idx, jp, joint_name)
+    return errors, tests
+
+
+# ---------------------------------------------------------------- driving the sampler
+def _draw_rows(case: Case, start: int, stop: int, gen: torch.Generator, device):
+    """Rows start..stop of the case: variant (b % n_variants), its p, q, length and drafts ~ q."""
+    vid = torch.arange(start, stop) % len(case.variants)  # (B,)
+    P = torch.stack([v.p for v in case.variants])[vid]  # (B, K+1, V)
+    lengths = torch.tensor([v.length for v in case.variants])[vid]  # (B,)
+    valid = torch.arange(case.k)[None] < lengths[:, None]  # (B, K)
+    if case.variants[0].q is None:
+        Q = None
+        draft = torch.stack([v.drafts for v in case.variants])[vid]  # (B, K)
+    else:
+        Q = torch.stack([v.q for v in case.variants])[vid]  # (B, K, V)
+        cdf = Q.double().cumsum(-1)  # (B, K, V)
+        u = torch.rand(cdf.shape[:-1] + (1,), generator=gen, dtype=torch.float64) * cdf[..., -1:]  # (B, K, 1)
+        draft = torch.searchsorted(cdf, u, right=True)[..., 0].clamp(max=case.vocab - 1)  # (B, K)
+    draft = torch.where(valid, draft, torch.full_like(draft, -1))  # (B, K)
+    to = lambda t: None if t is None else t.to(device)
+    return vid.numpy(), to(draft), to(P), to(Q), to(lengths)
+
+
+def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Sequence[Case]] = None,
+                            samples: int = 50_000, alpha: float = 1e-3, seed: int = 0, early_stop: bool = True,
+                            max_joint_cells: int = 4096, device="cpu") -> Report:
+    """Run `fn` (see `adapt` for the calling conventions) on `samples` rows per variant of each case
+    (default: oracle_selftest.standard_cases()) and test the output against the exact distribution."""
+    if samples < 8:
+        raise ValueError(f"samples must be >= 8 (rows per variant), got {samples}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    call = adapt(fn, api)
+    if cases is None:
+        from .oracle_selftest import standard_cases
+        cases = standard_cases()
+    looks = [max(1, samples // 8), samples] if early_stop else [samples]
+    m = sum(_num_tests(v) for c in cases for v in c.variants)
+    threshold = alpha / len(looks) / m
+    store = [[[], [], []] for _ in cases]  # per case: tokens, num_accepted, drafts chunks
+    done = 0
+    for li, rows in enumerate(looks):
+        errors, tests, firsts, total = [], [], [], 0
+        for ci, case in enumerate(cases):
+            nv = len(case.variants)
+            chunk = max(nv, (2**22 // ((case.k + 1) * case.vocab)) // nv * nv)
+            for start in range(done * nv, rows * nv, chunk):
+                stop = min(rows * nv, start + chunk)
+                s0, s1 = np.random.SeedSequence([seed, ci, start]).generate_state(2)
+                gen = torch.Generator().manual_seed(int(s0))
+                _, draft, P, Q, lengths = _draw_rows(case, start, stop, gen, device)
+                with torch.random.fork_rng(devices=[]):
+                    torch.default_generator.manual_seed(int(s1))  # for samplers that use the global CPU RNG
+                    toks, acc = call(draft, P, Q, lengths, gen)
+                toks = torch.as_tensor(toks).cpu().long()
+                if toks.shape != (stop - start, case.k + 1):
+                    raise ValueError(f"sampler returned tokens of shape {tuple(toks.shape)}, expected {(stop - start, case.k + 1)}")
+                store[ci][0].append(toks.numpy())
+                store[ci][1].append(torch.as_tensor(acc).cpu().long().reshape(-1).numpy())
+                store[ci][2].append(draft.cpu().numpy())
+            T, A, D = (np.concatenate(s) for s in store[ci])
+            vid = np.arange(T.shape[0]) % nv  # (rows * nv,)
+            total += T.shape[0]
+            for vi in range(nv):
+                e, t = _analyse(case, vi, T[vid == vi], A[vid == vi], D[vid == vi], threshold, max_joint_cells)
+                errors += e
+                tests += t
+                firsts += [t[0].detectable_tv] if t else []  # pos 1 (or the bonus when L = 0)
+        done = rows
+        passed = not errors and all(t.p_value >= threshold for t in tests)
+        if not passed or li == len(looks) - 1:
+            return Report(passed, alpha, threshold, tuple(tests), tuple(errors), total,
+                          max(firsts) if firsts else math.inf, li < len(looks) - 1)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- CLI
+def _load(spec: str) -> Callable:
+    if ":" not in spec:
+        raise ValueError(f"--sampler must be module:function, got {spec!r}")
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def oracle_main(argv: Optional[List[str]] = None) -> int:
+    """`python -m specref oracle --sampler module:function --api vllm|specref|plain` or `--self-test`."""
+    ap = argparse.ArgumentParser(prog="python -m specref oracle", description=__doc__.split("\n")[0])
+    ap.add_argument("--sampler", help="module:function of the rejection sampler to check")
+    ap.add_argument("--api", choices=APIS, default="specref", help="its calling convention (see oracle_check.adapt)")
+    ap.add_argument("--self-test", action="store_true", help="check that the oracle rejects known-wrong samplers")
+    ap.add_argument("--samples", type=int, default=None, help="rows per variant (default 50000; plain API 5000)")
+    ap.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance (default 1e-3)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--false-alarm-runs", type=int, default=20, help="self-test: repeated correct runs (default 20)")
+    args = ap.parse_args(argv)
+    if args.self_test:
+        from .oracle_selftest import self_test
+        ok, lines = self_test(samples=args.samples or 20_000, alpha=args.alpha, seed=args.seed,
+                              false_alarm_runs=args.false_alarm_runs)
+        print("\n".join(lines))
+        return 0 if ok else 1
+    if not args.sampler:
+        ap.error("give --sampler module:function or --self-test")
+    samples = args.samples or (5_000 if args.api == "plain" else 50_000)
+    report = check_rejection_sampler(_load(args.sampler), api=args.api, samples=samples, alpha=args.alpha, seed=args.seed)
+    print(report.summary())
+    return 0 if report.passed else 1

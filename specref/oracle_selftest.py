@@ -1,0 +1,253 @@
+"""Known-wrong samplers the oracle must reject, the standard test cases, and the transformers adapter.
+
+The correct sampler is Leviathan et al. 2023, Algorithm 1 (accept x with min(1, p(x)/q(x)), on the
+first rejection sample norm(max(0, p - q)), else a bonus token from p_{L+1}). `reference_chain`
+implements it vectorised with switchable mistakes; each mistake is a bug seen in the wild or a
+plausible slip. `hf_speculative_sampling` wraps transformers' `_speculative_sampling` (the
+acceptance step of its assisted generation when sampling) in the oracle's plain convention.
+
+Left out: per-row generators in reference_chain (one generator for the batch; specref.rejection
+has them), greedy verification, trees.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .oracle_check import Case, Variant, check_rejection_sampler
+
+MUTANTS = {  # name: the mistake
+    "no_residual": "on rejection, sample from p instead of norm(max(0, p - q))",
+    "unnormalised_residual": "inverse-CDF on max(0, p - q) without dividing by its sum (overflow -> last token)",
+    "inverted_ratio": "accept with min(1, q(x)/p(x))",
+    "ignore_q": "accept with probability p(x), ignoring q",
+    "abs_residual": "residual |p - q| instead of max(0, p - q)",
+    "bonus_last_row": "bonus token from p[K] (the padded last row) instead of p[L] for ragged rows",
+    "prefix_sum": "num_accepted counts every accepted position, not the accepted prefix",
+    "shared_uniform": "one uniform draw shared by every row of the batch",
+    "residual_argmax": "take the argmax of the residual instead of sampling it",
+}
+
+
+def reference_chain(draft: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor], *,
+                    lengths: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
+                    mistake: Optional[str] = None):
+    """Speculative sampling for B ragged rows; draft (B, K) -1 padded, p (B, K+1, V), q (B, K, V) or None."""
+    if mistake is not None and mistake not in MUTANTS:
+        raise ValueError(f"mistake must be one of {sorted(MUTANTS)} or None, got {mistake!r}")
+    B, K = draft.shape
+    V = p.shape[-1]
+    lengths = torch.full((B,), K, dtype=torch.long) if lengths is None else lengths.long()  # (B,)
+    rows = torch.arange(B)  # (B,)
+    nu = 1 if mistake == "shared_uniform" else B
+    u = torch.rand(nu, K + 1, generator=generator, dtype=torch.float64).expand(B, K + 1)  # (B, K+1)
+    x = draft.clamp(min=0)  # (B, K)
+    qe = q if q is not None else torch.nn.functional.one_hot(x, V).to(p.dtype)  # (B, K, V)
+    px = p[:, :K].gather(-1, x[..., None])[..., 0].double()  # (B, K)
+    qx = qe.gather(-1, x[..., None])[..., 0].double()  # (B, K)
+    if mistake == "inverted_ratio":
+        accept = u[:, :K] * px < qx  # u < q/p
+    elif mistake == "ignore_q":
+        accept = u[:, :K] < px
+    else:
+        accept = (u[:, :K] * qx < px) & (qx > 0)  # u < min(1, p/q); a token q cannot draft is rejected
+    accept &= torch.arange(K)[None] < lengths[:, None]  # (B, K)
+    a = accept.sum(1) if mistake == "prefix_sum" else accept.long().cumprod(1).sum(1)  # (B,)
+    a = torch.minimum(a, lengths)  # (B,)
+    p_a = p[rows, a].double()  # (B, V) the row after the accepted prefix
+    if K > 0:
+        q_a = qe[rows, a.clamp(max=K - 1)].double()  # (B, V)
+        res = (p_a - q_a).abs() if mistake == "abs_residual" else (p_a - q_a).clamp(min=0)  # (B, V)
+        if mistake == "no_residual":
+            res = p_a
+        res = torch.where(res.sum(1, keepdim=True) > 0, res, p_a)  # p == q: rejection has prob 0
+    else:
+        res = p_a
+    bonus_row = p[:, K].double() if mistake == "bonus_last_row" else p_a  # (B, V)
+    dist = torch.where((a == lengths)[:, None], bonus_row, res)  # (B, V)
+    cdf = dist.cumsum(1)  # (B, V)
+    if mistake == "residual_argmax":
+        y = torch.where(a == lengths, torch.searchsorted(cdf, u[:, K:] * cdf[:, -1:], right=True)[:, 0],
+                        res.argmax(1))  # (B,)
+    elif mistake == "unnormalised_residual":
+        y = torch.where(a == lengths, torch.searchsorted(cdf, u[:, K:] * cdf[:, -1:], right=True)[:, 0],
+                        torch.searchsorted(res.cumsum(1), u[:, K:].contiguous(), right=True)[:, 0])  # (B,)
+    else:
+        y = torch.searchsorted(cdf, u[:, K:] * cdf[:, -1:], right=True)[:, 0]  # (B,)
+    y = y.clamp(max=V - 1)  # (B,)
+    tokens = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
+    keep = torch.arange(K)[None] < a[:, None]  # (B, K)
+    tokens[:, :K] = torch.where(keep, draft, tokens[:, :K])
+    tokens[rows, a] = y
+    return SimpleNamespace(tokens=tokens, num_accepted=a)
+
+
+def mutant(name: str) -> Callable:
+    """The reference sampler with one mistake, in the specref convention."""
+    def fn(draft, p, q, *, lengths=None, generator=None):
+        return reference_chain(draft, p, q, lengths=lengths, generator=generator, mistake=name)
+    fn.__name__ = f"mutant_{name}"
+    return fn
+
+
+def reference_vllm(draft_token_ids, num_draft_tokens, draft_probs, target_logits, generator):
+    """reference_chain in the vLLM-style convention (flattened ragged drafts, logits with bonus rows)."""
+    B, V = len(num_draft_tokens), target_logits.shape[-1]
+    lengths = torch.tensor(num_draft_tokens, dtype=torch.long)  # (B,)
+    K = int(lengths.max()) if B else 0
+    pos = torch.arange(K + 1)  # (K+1,)
+    draft = torch.full((B, K), -1, dtype=torch.long)  # (B, K)
+    draft[pos[:K] < lengths[:, None]] = draft_token_ids
+    p = torch.full((B, K + 1, V), 1.0 / V)  # (B, K+1, V), unused rows uniform
+    p[pos < lengths[:, None] + 1] = torch.softmax(target_logits.float(), -1)
+    q = None
+    if draft_probs is not None:
+        q = torch.full((B, K, V), 1.0 / V)  # (B, K, V)
+        q[pos[:K] < lengths[:, None]] = draft_probs.float()
+    return reference_chain(draft, p, q, lengths=lengths, generator=generator).tokens  # (B, K+1)
+
+
+def reference_plain(p, q, draft, generator):
+    """reference_chain on one row, in the plain convention."""
+    out = reference_chain(draft[None], p[None], None if q is None else q[None], generator=generator)
+    return out.tokens[0, : int(out.num_accepted[0]) + 1]  # (a+1,)
+
+
+def hf_speculative_sampling(p, q, draft, generator):
+    """transformers' `_speculative_sampling` (generation/utils.py) in the plain convention.
+
+    It takes logits (we pass log p and log q: softmax restores them), batch size 1, and draws from
+    the global torch RNG, which we seed from `generator` on every call. q None is passed as one-hot
+    logits. With no draft tokens transformers never calls it (its loop samples p directly), so we do
+    that here.
+    """
+    from transformers.generation.utils import _speculative_sampling
+
+    torch.default_generator.manual_seed(int(torch.randint(2**62, (1,), generator=generator)))  # CPU RNG
+    L, V = draft.numel(), p.shape[-1]
+    if L == 0:
+        return torch.multinomial(p[0], 1)  # (1,)
+    qq = q if q is not None else torch.nn.functional.one_hot(draft, V).float()  # (L, V)
+    valid, _ = _speculative_sampling(draft[None], torch.log(qq)[None], L, torch.log(p)[None])
+    return valid[0]  # (a+1,)
+
+
+def _filtered(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """softmax(logits / T) restricted to the top-k and the top-p nucleus, renormalised (rows)."""
+    probs = torch.softmax(logits / temperature, -1)  # (R, V)
+    srt, idx = probs.sort(-1, descending=True)  # (R, V)
+    keep = torch.ones_like(srt, dtype=torch.bool)  # (R, V)
+    if top_k:
+        keep[:, top_k:] = False
+    keep &= (srt.cumsum(-1) - srt) < top_p  # a token stays while the mass before it is < top_p
+    probs = torch.zeros_like(probs).scatter(-1, idx, torch.where(keep, srt, 0.0))  # (R, V)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def standard_cases(seed: int = 0) -> Tuple[Case, ...]:
+    """Small vocabularies (joint tests), ragged rows, q None, temperature/top-k/top-p, near-degenerate
+    p and q, a larger vocabulary and a long draft."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    sm = lambda x: torch.softmax(x, -1)
+    V = 6
+    p_k = _filtered(rnd(4, V), top_k=3)  # (4, V) with zeros
+    p_eq = sm(rnd(4, V))
+    small = Case("small", V, 3, (
+        Variant(sm(rnd(4, V)), sm(rnd(3, V)), None, 3, "dense L3"),
+        Variant(sm(rnd(4, V)), sm(rnd(3, V)), None, 1, "ragged L1"),
+        Variant(sm(rnd(4, V)), sm(rnd(3, V)), None, 0, "empty L0"),
+        Variant(p_k, sm(rnd(3, V)), None, 3, "top-k p L3"),
+        Variant(p_eq, torch.cat([p_eq[:2], sm(rnd(1, V))]), None, 2, "p==q L2"),
+    ))
+    p_a, p_z = sm(2 * rnd(4, V)), _filtered(rnd(4, V), top_k=4)
+    z_tok = int(torch.nonzero(p_z[1] == 0)[0])  # a token with p = 0 at position 2
+    qnone = Case("qnone", V, 3, (
+        Variant(p_a, None, p_a[:3].argmax(-1), 3, "argmax drafts L3"),
+        Variant(p_z, None, torch.tensor([int(p_z[0].argmax()), z_tok, 1]), 3, "p(x)=0 draft L3"),
+        Variant(sm(rnd(4, V)), None, torch.tensor([2, 3, 0]), 2, "ragged L2"),
+        Variant(sm(rnd(4, V)), None, torch.tensor([-1, -1, -1]), 0, "empty L0"),
+    ))
+    V = 40
+    lg1, lg2 = rnd(5, V) * 2, rnd(5, V) * 2
+    filtered = Case("filtered", V, 4, (
+        Variant(_filtered(lg1, 0.7, top_k=8), _filtered(lg1[:4] + rnd(4, V) * 0.5, 1.3), None, 4, "T0.7 top-k8 vs T1.3 L4"),
+        Variant(_filtered(lg2, top_p=0.8), _filtered(lg2[:4] + rnd(4, V) * 0.5, top_p=0.95), None, 2, "top-p0.8 vs top-p0.95 L2"),
+    ))
+    V = 5
+    near = torch.tensor([0.998, 0.0005, 0.0005, 0.0005, 0.0005]).expand(3, V)  # (3, V)
+    qsmall = torch.tensor([0.001, 0.4, 0.3, 0.2, 0.099]).expand(2, V)  # (2, V)
+    onehot = torch.nn.functional.one_hot(torch.tensor([2, 2, 2]), V).float()  # (3, V)
+    q4 = torch.tensor([0.001, 0.001, 0.001, 0.001, 0.996]).expand(2, V)  # (2, V)
+    degenerate = Case("degenerate", V, 2, (
+        Variant(near.clone(), qsmall.clone(), None, 2, "p~one-hot q small there"),
+        Variant(onehot, sm(rnd(2, V)), None, 2, "p one-hot"),
+        Variant(sm(rnd(3, V)), q4.clone(), None, 2, "q~one-hot"),
+    ))
+    V = 300
+    lg = rnd(3, V) * 2
+    big = Case("vocab300", V, 2, (
+        Variant(sm(lg), sm(lg[:2] + rnd(2, V) * 0.7), None, 2, "L2"),
+        Variant(sm(rnd(3, V)), sm(rnd(2, V)), None, 1, "L1"),
+    ))
+    V = 4
+    long = Case("k5", V, 5, (
+        Variant(sm(rnd(6, V)), sm(rnd(5, V)), None, 5, "L5"),
+        Variant(sm(rnd(6, V)), sm(rnd(5, V)), None, 3, "L3"),
+    ))
+    return (small, qnone, filtered, degenerate, big, long)
+
+
+def false_alarms(fn: Callable, *, api: str = "specref", runs: int = 20, samples: int = 2000,
+                 alpha: float = 0.2, seed: int = 1000, cases=None) -> Tuple[int, List[float]]:
+    """Failures of `runs` independent checks of a correct sampler (expected <= alpha * runs), and
+    the p-values of every variant's first-position test (i.i.d. uniform under the null)."""
+    fails, pos1 = 0, []
+    for r in range(runs):
+        rep = check_rejection_sampler(fn, api=api, samples=samples, alpha=alpha, seed=seed + r, early_stop=False,
+                                      cases=cases)
+        fails += not rep.passed
+        pos1 += [t.p_value for t in rep.tests if t.name.endswith(" pos 1") and t.dof > 0]  # dof 0: p is 1
+    return fails, pos1
+
+
+def self_test(samples: int = 20_000, alpha: float = 1e-3, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
+    """Every mutant must fail, every correct sampler pass; then the false-alarm rate of the reference."""
+    from scipy import stats
+
+    correct = [("reference_chain", reference_chain, "specref", samples),
+               ("reference_vllm", reference_vllm, "vllm", samples),
+               ("reference_plain", reference_plain, "plain", max(8, samples // 20))]
+    try:
+        from .rejection import verify_chain
+        correct.insert(0, ("specref.rejection.verify_chain", verify_chain, "specref", samples))
+    except ImportError:
+        pass
+    ok, lines = True, []
+    for name, fn, api, n in correct + [(m, mutant(m), "specref", samples) for m in MUTANTS]:
+        rep = check_rejection_sampler(fn, api=api, samples=n, alpha=alpha, seed=seed)
+        expect = name not in MUTANTS
+        ok &= rep.passed == expect
+        worst = min(rep.tests, key=lambda t: t.p_value)
+        why = rep.errors[0] if rep.errors else f"min p {worst.p_value:.2g} ({worst.name})"
+        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
+                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} samples; {why}")
+    if false_alarm_runs:
+        fa_alpha = 0.2
+        fails, pos1 = false_alarms(reference_chain, runs=false_alarm_runs, alpha=fa_alpha, seed=seed + 1000)
+        p_rate = stats.binomtest(fails, false_alarm_runs, fa_alpha, alternative="greater").pvalue
+        p_unif = stats.kstest(pos1, "uniform").pvalue
+        good = p_rate > 1e-3 and p_unif > 1e-3
+        ok &= good
+        lines.append(f"{'ok ' if good else 'BAD'} false alarms of reference_chain at alpha {fa_alpha}: {fails}/{false_alarm_runs} "
+                     f"(binomial p {p_rate:.3g}); pos-1 p-values uniform: KS p {p_unif:.3g} over {len(pos1)}")
+    lines.append(f"self-test: {'PASS' if ok else 'FAIL'}")
+    return ok, lines
+
+
+# module-level names for the CLI: --sampler specref.oracle_selftest:mutant_no_residual
+for _name in MUTANTS:
+    globals()[f"mutant_{_name}"] = mutant(_name)

@@ -1,0 +1,84 @@
+"""The proposer protocol: what every speculative method implements, and all that generate.py knows.
+
+Leviathan et al. 2023 (Algorithm 1) split a speculative step into "guess" and "verify". A
+proposer is the guessing half: from the committed context it returns a Draft of at most k tokens
+per row, with the draft distribution q it sampled them from (or q = None for a deterministic draft:
+n-gram lookup, argmax heads), and after verification it is told how many were accepted so it can
+roll back its own state (a draft model's KV cache, a lookahead window).
+
+A chain draft is tokens (B, K) with per-row lengths (ragged; -1 beyond a row's length). A tree
+draft adds `parents`; see tree.py. The verifier (rejection.py) never calls a model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+
+from .sampling import SamplingConfig
+
+Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
+
+
+@dataclass
+class Context:
+    """The committed tokens of every row, right-padded.
+
+    Row b's context is tokens[b, :lengths[b]]: the prompt and every emitted token, the last of
+    which the target has not processed yet (it is the first token of the next verify block).
+    """
+
+    tokens: torch.Tensor  # (B, T) long, right-padded (value beyond lengths is undefined)
+    lengths: torch.Tensor  # (B,) long, valid tokens per row
+    active: torch.Tensor  # (B,) bool, rows still generating (finished rows may get an empty draft)
+    hidden: Optional[torch.Tensor] = None  # method-specific target features (Medusa/EAGLE), else None
+
+    def row(self, b: int) -> torch.Tensor:
+        return self.tokens[b, : int(self.lengths[b])]  # (T_b,)
+
+
+@dataclass
+class Draft:
+    """What a proposer returns for one step.
+
+    Chain: tokens (B, K), row b drafts tokens[b, :lengths[b]], the rest is -1.
+    Tree: `parents` (B, N) gives each node's parent node index (-1 for a child of the root, which is
+    the row's last committed token); nodes are topologically ordered (parent index < node index);
+    tokens (B, N), lengths (B,) the number of real nodes per row (the rest -1).
+    q: (B, K, V) probabilities the tokens were sampled from, or None for a deterministic draft
+    (q is one-hot on the drafted token).
+    """
+
+    tokens: torch.Tensor  # (B, K) long, -1 padded
+    lengths: torch.Tensor  # (B,) long, 0..K
+    q: Optional[torch.Tensor] = None  # (B, K, V) float or None
+    parents: Optional[torch.Tensor] = None  # (B, N) long for a tree draft, None for a chain
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    @staticmethod
+    def empty(batch: int, device: torch.device) -> "Draft":
+        return Draft(
+            tokens=torch.full((batch, 0), -1, dtype=torch.long, device=device),  # (B, 0)
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),  # (B,)
+        )
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Implemented by every method (draft_model.py, ngram.py, lookahead.py, heads)."""
+
+    k: int  # the most draft tokens (chain) or nodes (tree) per row and step
+
+    def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
+        """Called once after the target's prefill (e.g. a draft model prefills its own cache)."""
+
+    def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        """Return the draft for the next step. q must be the distribution actually sampled from."""
+
+    def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        """Told after verification: ctx is the new committed context, num_accepted (B,) how many
+        draft tokens (for a tree: path nodes) each row accepted. Roll back own state here."""

@@ -1,0 +1,364 @@
+"""Speculative sampling: accept a prefix of the draft, then one recovered or bonus token.
+
+Chain (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
+Algorithm 1; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling", Algorithm 2):
+draft token x_i, sampled from q_i, is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the
+first rejection one token is drawn from the residual norm(max(0, p_i - q_i)); if all of a row's
+n_b drafts are accepted, a bonus token is drawn from p_{n_b}. The emitted tokens are distributed
+exactly as sampling from p (Leviathan et al. 2023, Theorem 3.5). A deterministic draft (n-gram,
+argmax heads) has q one-hot on its token: pass q=None; then x is accepted with probability p(x)
+and the residual is p with x removed, renormalised.
+
+Tree (SpecInfer, Miao et al. 2024, "multi-step speculative sampling"; SpecTr, Sun et al. 2023):
+walk down from the root; at each node try its children in index order with recursive rejection:
+child x with draft distribution q is accepted with probability min(1, r(x) / q(x)), r the current
+residual (p at the node before any rejection); a rejected child updates r <- norm(max(0, r - q))
+(for q one-hot: r with x removed, renormalised) and the next child is tried. If a child is
+accepted the walk continues below it with r = p at that child; if none is (or the node is a
+leaf), one token is drawn from r. Lossless when the siblings were drawn independently, each from
+its own q (SpecInfer's argument; shown here by the chi-square tests), or are fixed tokens (q
+one-hot: child x is then accepted with probability exactly p(x) among distinct siblings).
+
+Greedy: accept while the draft equals the target's argmax, then emit the target's argmax (for a
+tree: the longest path whose every token is the argmax at its parent).
+
+Randomness, per row and per call (so one generator per row makes rows independent and
+reproducible, see sampling.uniforms): a chain consumes K + 1 uniforms, u[:, i] for the accept test
+of draft position i (drawn even if unused) and u[:, K] for the final token by inverse CDF; a tree
+consumes N + 1: u[:, i] for node i, u[:, N] for the final token. A chain and the same chain written
+as a tree (parents [-1, 0, 1, ...]) give identical results from identical generators.
+
+Left out: typical acceptance (lossy, Medusa; see medusa_heads.py), SpecTr's optimal-transport
+verification and Sequoia's sampling without replacement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .sampling import Generators, greedy_tokens, sample_from_probs, uniforms
+
+PROB_SUM_TOL = 1e-3  # |sum(p) - 1| allowed per distribution (float32 softmax: ~1e-6)
+
+
+@dataclass(frozen=True)
+class ChainResult:
+    tokens: torch.Tensor  # (B, K+1) long: accepted drafts, then the recovered or bonus token; -1 after
+    num_accepted: torch.Tensor  # (B,) long, 0..lengths[b]; the row emits num_accepted + 1 tokens
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    tokens: torch.Tensor  # (B, D+1) long: tokens of the accepted path, then one more; -1 after
+    path: torch.Tensor  # (B, D) long: node indices of the accepted path (depth 1, 2, ..); -1 after
+    num_accepted: torch.Tensor  # (B,) long: accepted nodes (path length)
+
+
+# ---------------------------------------------------------------- input checks (ValueError)
+
+def _draft_lengths(tokens: torch.Tensor, lengths, vocab: Optional[int], name: str):
+    """Check draft tokens (B, K) and return (lengths (B,), valid (B, K) bool).
+
+    Entries must be -1 (placeholder) or a token id in [0, vocab). lengths=None: the count before the
+    first -1. Given lengths: 0..K, no -1 inside a row's length; entries beyond it are ignored.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        raise ValueError(f"{name} must be an integer tensor (B, K), got "
+                         f"{getattr(tokens, 'dtype', type(tokens))} of shape {tuple(getattr(tokens, 'shape', ()))}")
+    B, K = tokens.shape
+    hi = vocab if vocab is not None else torch.iinfo(torch.long).max
+    bad = (tokens < -1) | (tokens >= hi)  # (B, K)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{name}[{b}, {i}] = {int(tokens[b, i])} is not a token id in [0, {vocab}) "
+                         f"nor the placeholder -1")
+    pos = torch.arange(K, device=tokens.device)  # (K,)
+    if lengths is None:
+        lengths = (tokens >= 0).long().cumprod(1).sum(1)  # (B,) count before the first -1
+    else:
+        lengths = torch.as_tensor(lengths, device=tokens.device)
+        if lengths.shape != (B,) or lengths.is_floating_point():
+            raise ValueError(f"lengths must be an integer tensor (B,) = ({B},), got shape {tuple(lengths.shape)}")
+        lengths = lengths.long()
+        if bool(((lengths < 0) | (lengths > K)).any()):
+            raise ValueError(f"lengths must be in 0..{K} (the draft width), got {lengths.tolist()}")
+        hole = (pos[None, :] < lengths[:, None]) & (tokens < 0)  # (B, K)
+        if bool(hole.any()):
+            b, i = (int(v) for v in hole.nonzero()[0])
+            raise ValueError(f"{name}[{b}, {i}] = -1 lies inside row {b}'s length {int(lengths[b])}")
+    return lengths, pos[None, :] < lengths[:, None]  # (B,), (B, K)
+
+
+def _check_probs(x: torch.Tensor, name: str, shape: tuple, used: torch.Tensor) -> torch.Tensor:
+    """x must have `shape`; rows where used (B, R) is True must be finite, >= 0, sum to 1 (+-tol).
+    Returns x in at least float32."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be a float tensor of shape {shape}, got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    if x.numel() == 0:
+        return x
+    used3 = used[..., None]  # (B, R, 1)
+    for what, bad in (("NaN or infinite", ~torch.isfinite(x) & used3), ("negative", (x < 0) & used3)):
+        if bool(bad.any()):
+            b, i, v = (int(t) for t in bad.nonzero()[0])
+            raise ValueError(f"{name}[{b}, {i}, {v}] = {float(x[b, i, v])} is {what}; "
+                             f"probabilities must be finite and >= 0")
+    off = ((x.sum(-1) - 1).abs() > PROB_SUM_TOL) & used  # (B, R)
+    if bool(off.any()):
+        b, i = (int(t) for t in off.nonzero()[0])
+        raise ValueError(f"{name}[{b}, {i}] sums to {float(x[b, i].sum()):.6f}; a distribution must "
+                         f"sum to 1 (within {PROB_SUM_TOL}); pass probabilities, not logits")
+    return x
+
+
+def _target_argmax(x: torch.Tensor, B: int, R: int) -> torch.Tensor:
+    """Target argmax (B, R) from logits (B, R, V) or from argmax ids (B, R)."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 3 and x.shape[:2] == (B, R):
+        if bool(torch.isnan(x).any()):
+            raise ValueError("target logits contain NaN; the argmax is undefined")
+        return greedy_tokens(x)  # (B, R)
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and tuple(x.shape) == (B, R):
+        return x.long()  # (B, R)
+    raise ValueError(f"target must be logits (B, R, V) or argmax ids (B, R) with (B, R) = ({B}, {R}), "
+                     f"got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+
+
+# ---------------------------------------------------------------- chain
+
+def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor] = None, *,
+                 lengths: Optional[torch.Tensor] = None, generator: Generators = None) -> ChainResult:
+    """Speculative sampling of a batch of ragged draft chains. Vectorised over rows and positions.
+
+    draft_tokens (B, K) long, -1 beyond a row's length; lengths (B,) (default: count before the
+    first -1); p (B, K+1, V): p[b, i] is the target distribution after the row's first i drafts
+    (already warped, sampling.logits_to_probs); q (B, K, V): the draft distributions the tokens
+    were sampled from, or None for a deterministic draft. Only rows i <= lengths[b] of p and
+    i < lengths[b] of q are read (and checked). generator: one, or one per row.
+
+    Defined cases (the maths decides; no error):
+      - p(x) = 0 for a drafted x: rejected (accept probability 0).
+      - q(x) = 0 for a drafted x: rejected (never accepted with probability p/0), then the token is
+        drawn from max(0, p - q) as usual (it may be x itself). A correct draft never samples such
+        an x; rejection rather than an error also covers q underflowing to 0 in low precision.
+      - residual max(0, p - q) all zero (p == q): a rejection has probability 0 then, but rounding
+        (u q(x) == p(x)) can still produce one; the token is then drawn from p, never from 0/0.
+    Errors (ValueError naming the value): shapes that disagree, a token id outside [0, V) other than
+    -1, -1 inside a row's length, NaN/inf/negative entries or a distribution not summing to 1.
+    """
+    if not isinstance(p, torch.Tensor) or p.dim() != 3:
+        raise ValueError(f"p must be a (B, K+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
+    V = p.shape[-1]
+    if isinstance(draft_tokens, torch.Tensor):
+        draft_tokens = draft_tokens.to(p.device)
+    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens")
+    B, K = draft_tokens.shape
+    rows_p = torch.arange(K + 1, device=p.device)[None, :] <= lengths[:, None]  # (B, K+1)
+    p = _check_probs(p, "p", (B, K + 1, V), rows_p)
+    if q is not None:
+        q = _check_probs(q, "q", (B, K, V), valid)
+    dev = p.device
+    u = uniforms((K + 1,), B, generator, dev)  # (B, K+1)
+    x = draft_tokens.clamp(min=0)  # (B, K) placeholders read token 0, masked by `valid`
+    rows = torch.arange(B, device=dev)  # (B,)
+
+    # 1. accept test at every position at once: u < p(x) / q(x), written u q(x) < p(x)
+    px = p[:, :K].gather(2, x[..., None]).squeeze(-1)  # (B, K)
+    if q is None:
+        accept = u[:, :K] < px  # (B, K) q(x) = 1
+    else:
+        qx = q.gather(2, x[..., None]).squeeze(-1)  # (B, K)
+        accept = (qx > 0) & (u[:, :K] * qx < px)  # (B, K)
+    accept &= valid
+    n_acc = accept.long().cumprod(1).sum(1)  # (B,) accepted prefix length
+
+    # 2. the last token: residual at the first rejection, else the bonus from p[b, n_b]
+    p_j = p[rows, n_acc]  # (B, V) target after the accepted prefix
+    dist = p_j
+    if K > 0:
+        rejected = n_acc < lengths  # (B,)
+        j = n_acc.clamp(max=K - 1)  # (B,) the rejected position (clamped where nothing was)
+        if q is None:
+            resid = p_j.scatter(1, x[rows, j][:, None], 0.0)  # (B, V) p without the draft token
+        else:
+            resid = (p_j - q[rows, j]).clamp(min=0)  # (B, V) max(0, p - q)
+        dist = torch.where(rejected[:, None], resid, p_j)  # (B, V)
+        dist = torch.where(dist.sum(1, keepdim=True) > 0, dist, p_j)  # empty residual -> p
+    last = sample_from_probs(dist, u[:, K])  # (B,) inverse CDF, normalises internally
+
+    pos = torch.arange(K + 1, device=dev)[None, :]  # (1, K+1)
+    padded = torch.cat([draft_tokens.long(), draft_tokens.new_full((B, 1), -1).long()], 1)  # (B, K+1)
+    out = torch.where(pos < n_acc[:, None], padded, -1)  # (B, K+1)
+    out.scatter_(1, n_acc[:, None], last[:, None])
+    return ChainResult(out, n_acc)
+
+
+def verify_chain_greedy(draft_tokens: torch.Tensor, target: torch.Tensor, *,
+                        lengths: Optional[torch.Tensor] = None) -> ChainResult:
+    """Greedy verification: accept while draft_tokens[b, i] == argmax of target row i, then emit the
+    target's argmax at the first mismatch (or the bonus argmax after n_b accepted drafts).
+
+    target: logits (B, K+1, V) (argmax taken here, first index on ties) or argmax ids (B, K+1).
+    """
+    B, K = draft_tokens.shape if isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() == 2 else (0, -1)
+    vocab = target.shape[-1] if isinstance(target, torch.Tensor) and target.is_floating_point() else None
+    lengths, valid = _draft_lengths(draft_tokens, lengths, vocab, "draft_tokens")
+    a = _target_argmax(target, B, K + 1).to(draft_tokens.device)  # (B, K+1)
+    match = valid & (draft_tokens == a[:, :K])  # (B, K)
+    n_acc = match.long().cumprod(1).sum(1)  # (B,)
+    pos = torch.arange(K + 1, device=a.device)[None, :]  # (1, K+1)
+    out = torch.where(pos <= n_acc[:, None], a, -1)  # (B, K+1) accepted drafts equal the argmax
+    return ChainResult(out, n_acc)
+
+
+# ---------------------------------------------------------------- tree
+
+def _tree_structure(parents: torch.Tensor, valid: torch.Tensor):
+    """Check parents (B, N) (-1 = child of the root, else an earlier node) and return
+    (parents with padding set to -1 (B, N), depth (B, N) with root children at 1, padding 0, D)."""
+    if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(valid.shape) \
+            or parents.is_floating_point():
+        raise ValueError(f"parents must be an integer tensor of shape {tuple(valid.shape)}, got "
+                         f"{getattr(parents, 'dtype', type(parents))} {tuple(getattr(parents, 'shape', ()))}")
+    N = valid.shape[1]
+    ar = torch.arange(N, device=valid.device)  # (N,)
+    par = torch.where(valid, parents.long(), -1)  # (B, N)
+    bad = valid & ((par < -1) | (par >= ar[None, :]))  # (B, N)
+    if bool(bad.any()):
+        b, i = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"parents[{b}, {i}] = {int(parents[b, i])}: must be -1 (the root) or an earlier "
+                         f"node in 0..{i - 1} (topological order)")
+    depth = valid.long()  # (B, N)
+    anc = par  # (B, N) ancestor one more level up, -1 past the root
+    for _ in range(N):  # one iteration per depth level
+        up = anc >= 0  # (B, N)
+        if not bool(up.any()):
+            break
+        depth = depth + up.long()
+        anc = torch.where(up, par.gather(1, anc.clamp(min=0)), -1)  # (B, N)
+    D = int(depth.max()) if depth.numel() else 0
+    return par, depth, D
+
+
+def _path_of(node: torch.Tensor, par: torch.Tensor, depth: torch.Tensor, D: int) -> torch.Tensor:
+    """Root-to-node path (B, D) of node (B,) (-1: the root itself), -1 padded."""
+    B = node.shape[0]
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=par.device)  # (B, D+1), col D = discard
+    for _ in range(D):  # walk up one level per iteration
+        up = node >= 0  # (B,)
+        col = torch.where(up, depth.gather(1, node.clamp(min=0)[:, None]).squeeze(1) - 1, D)  # (B,)
+        path.scatter_(1, col[:, None], node[:, None])
+        node = torch.where(up, par.gather(1, node.clamp(min=0)[:, None]).squeeze(1), -1)  # (B,)
+    return path[:, :D]  # (B, D)
+
+
+def _tree_output(path: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor, last: torch.Tensor):
+    """TreeResult from the accepted path (B, D), its length (B,) and the final token (B,)."""
+    B, D = path.shape
+    tok = torch.where(path >= 0, tokens.long().gather(1, path.clamp(min=0)), -1)  # (B, D)
+    out = torch.cat([tok, tok.new_full((B, 1), -1)], 1)  # (B, D+1)
+    out.scatter_(1, n_acc[:, None], last[:, None])
+    return TreeResult(out, path, n_acc)
+
+
+def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
+                q: Optional[torch.Tensor] = None, *, lengths: Optional[torch.Tensor] = None,
+                generator: Generators = None) -> TreeResult:
+    """Recursive rejection sampling down a batch of token trees (see the module docstring).
+
+    tokens (B, N) long, -1 padded; parents (B, N) long, -1 = child of the root, else an earlier
+    node; lengths (B,) real nodes per row (default: count before the first -1); p (B, N+1, V): row
+    0 the target after the root (the last committed token), row 1+i after node i; q None
+    (deterministic drafts) or (B, N, V): q[b, i] the distribution node i was drawn from (at its
+    parent; siblings drawn i.i.d. share it). Duplicate sibling tokens are allowed: a repeated
+    deterministic token is rejected (its mass is already removed). Edge cases and errors as
+    verify_chain. Loops over depth levels and, within a level, over sibling rank; vectorised over
+    rows. Returns TreeResult(tokens (B, D+1), path (B, D), num_accepted (B,)), D the deepest node.
+    """
+    if not isinstance(p, torch.Tensor) or p.dim() != 3:
+        raise ValueError(f"p must be a (B, N+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
+    V = p.shape[-1]
+    if isinstance(tokens, torch.Tensor) and isinstance(parents, torch.Tensor):
+        tokens, parents = tokens.to(p.device), parents.to(p.device)
+    lengths, valid = _draft_lengths(tokens, lengths, V, "tokens")
+    B, N = tokens.shape
+    par, depth, D = _tree_structure(parents, valid)
+    rows_p = torch.arange(N + 1, device=tokens.device)[None, :] <= lengths[:, None]  # (B, N+1)
+    p = _check_probs(p, "p", (B, N + 1, V), rows_p)
+    if q is not None:
+        q = _check_probs(q, "q", (B, N, V), valid)
+    dev = p.device
+    u = uniforms((N + 1,), B, generator, dev)  # (B, N+1)
+    rows = torch.arange(B, device=dev)  # (B,)
+    tok = tokens.clamp(min=0)  # (B, N)
+
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # (B,) current node, -1 = root
+    r = p[:, 0]  # (B, V) residual at the current node, unnormalised ...
+    mass = torch.ones(B, dtype=p.dtype, device=dev)  # (B,) ... with this total (1 for a fresh p row)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) accepted at every level so far
+    n_acc = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
+    for _ in range(D):  # 1. one depth level per iteration
+        child = valid & (par == cur[:, None]) & alive[:, None]  # (B, N) children of the current node
+        rank = child.long().cumsum(1) - 1  # (B, N) sibling rank in index order
+        taken = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a child accepted at this level
+        for s in range(int(child.sum(1).max()) if B else 0):  # 2. siblings in index order
+            sel = child & (rank == s)  # (B, N) at most one node per row
+            has = sel.any(1) & ~taken  # (B,)
+            j = sel.long().argmax(1)  # (B,) the sibling's node index
+            x = tok[rows, j]  # (B,)
+            rx, uj = r[rows, x], u[rows, j]  # (B,), (B,)
+            if q is None:  # accept with r(x)/mass; on rejection remove x
+                accept = has & (uj * mass < rx)  # (B,)
+                nxt = r.scatter(1, x[:, None], 0.0)  # (B, V)
+            else:  # accept with min(1, (r(x)/mass) / q(x)); on rejection max(0, r/mass - q)
+                qj = q[rows, j]  # (B, V)
+                qx = qj[rows, x]  # (B,)
+                accept = has & (qx > 0) & (uj * qx * mass < rx)  # (B,)
+                nxt = (r - mass[:, None] * qj).clamp(min=0)  # (B, V) = mass * max(0, r/mass - q)
+            nmass = nxt.sum(1)  # (B,)
+            upd = has & ~accept & (nmass > 0)  # (B,) an empty residual keeps r (see verify_chain)
+            r = torch.where(upd[:, None], nxt, r)  # (B, V)
+            mass = torch.where(upd, nmass, mass)  # (B,)
+            # 3. an accepted child becomes the current node; r restarts from p at that node
+            taken |= accept
+            cur = torch.where(accept, j, cur)  # (B,)
+            r = torch.where(accept[:, None], p[rows, 1 + j], r)  # (B, V)
+            mass = torch.where(accept, torch.ones_like(mass), mass)  # (B,)
+        n_acc += taken.long()
+        alive &= taken
+    # 4. the final token: from the residual after the last rejection, or p at the deepest accepted node
+    last = sample_from_probs(r, u[:, N])  # (B,)
+    return _tree_output(_path_of(cur, par, depth, D), tokens, n_acc, last)
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, *,
+                       lengths: Optional[torch.Tensor] = None) -> TreeResult:
+    """Greedy tree verification: the longest path from the root whose every token equals the
+    target's argmax at its parent, then the argmax after its last node. Ties between equally long
+    paths (duplicate siblings) go to the smaller node index. Equals plain greedy decoding for any
+    tree shape. target: logits (B, N+1, V) or argmax ids (B, N+1); row 0 after the root.
+    """
+    B, N = tokens.shape if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 else (0, -1)
+    vocab = target.shape[-1] if isinstance(target, torch.Tensor) and target.is_floating_point() else None
+    lengths, valid = _draft_lengths(tokens, lengths, vocab, "tokens")
+    if isinstance(parents, torch.Tensor):
+        parents = parents.to(tokens.device)
+    par, depth, D = _tree_structure(parents, valid)
+    a = _target_argmax(target, B, N + 1).to(tokens.device)  # (B, N+1)
+    match = valid & (tokens == a.gather(1, par + 1))  # (B, N) token == argmax at its parent
+    ok = match  # (B, N) ... and at every ancestor
+    anc = par  # (B, N)
+    for _ in range(D):  # one level up per iteration
+        up = anc >= 0  # (B, N)
+        ok = ok & (~up | match.gather(1, anc.clamp(min=0)))  # (B, N)
+        anc = torch.where(up, par.gather(1, anc.clamp(min=0)), -1)  # (B, N)
+    idx = torch.arange(N, device=tokens.device)[None, :]  # (1, N)
+    score = torch.where(ok, depth * (N + 1) + (N - idx), -1)  # (B, N) deepest, then smallest index
+    best = score.argmax(1) if N else torch.zeros(B, dtype=torch.long, device=tokens.device)  # (B,)
+    has = ok.any(1)  # (B,)
+    node = torch.where(has, best, -1)  # (B,)
+    n_acc = torch.where(has, depth.gather(1, best[:, None]).squeeze(1) if N else best, 0)  # (B,)
+    last = a.gather(1, (node + 1)[:, None]).squeeze(1)  # (B,) argmax after the path
+    return _tree_output(_path_of(node, par, depth, D), tokens, n_acc, last)

@@ -1,0 +1,168 @@
+"""Wraps a HuggingFace decoder-only causal LM for speculative decoding on a SpecCache.
+
+The target model's job in speculative decoding (Leviathan et al. 2023, Sec. 2.3) is to score a
+block of tokens in ONE forward: the row's last committed token followed by the draft, giving the
+K+1 distributions p_1..p_{K+1} that rejection.py needs. A token tree (Miao et al. 2024, SpecInfer)
+is scored the same way with a tree attention mask (each node sees the committed prefix and its own
+ancestors) and position ids equal to prefix length + depth.
+
+Every forward here passes explicit position ids and a 4D additive attention mask (B, 1, Q, S)
+over the whole static cache, so rows of different lengths share one batch without padding tokens
+inside the cache, and stale slots beyond a row's committed length are never read.
+
+Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
+SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D mask unchanged and
+updates `cache` through `Cache.update`). Not supported, with a ValueError: encoder-decoder models,
+non-causal models, models with sliding-window or linear-attention layers (the mask here is a full
+causal one, and recurrent state cannot be rolled back by a length change).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .kv_rollback import SpecCache
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Settings of the target wrapper."""
+
+    compile: bool = False  # run the verify forward under torch.compile with static shapes
+    hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
+    # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
+
+
+@dataclass
+class BlockOutput:
+    logits: torch.Tensor  # (B, Q, V) float32
+    hidden: Optional[torch.Tensor] = None  # (B, Q, len(hidden_layers) * D) or None
+
+
+def check_causal_lm(model: torch.nn.Module, name: str = "model") -> None:
+    """Raise ValueError unless `model` is a decoder-only causal LM this library can drive."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"{name} must be a HuggingFace causal LM (a PreTrainedModel with an LM head), "
+                         f"got {type(model).__name__}")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model ({type(model).__name__}); "
+                         "only decoder-only causal LMs are supported")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_names = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal_names.update([v] if isinstance(v, str) else v)
+    if (not any(c.__name__ in causal_names for c in type(model).__mro__)
+            or not getattr(cfg, "is_causal", True)
+            or model.get_output_embeddings() is None):
+        raise ValueError(f"{name} ({type(model).__name__}) is not a causal LM (no LM head or is_causal=False)")
+    layer_types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", window is not None)
+    if any(t != "full_attention" for t in layer_types) or (window is not None and uses_window
+                                                            and not layer_types):
+        raise ValueError(f"{name} ({type(model).__name__}) has sliding-window or non-attention layers "
+                         f"({sorted(set(layer_types)) or 'sliding_window=' + str(window)}); only full-"
+                         "attention decoders are supported")
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool (B, Q, S) -> additive float mask (B, 1, Q, S): 0 where allowed, dtype-min elsewhere."""
+    neg = torch.finfo(dtype).min
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.full((), neg, dtype=dtype, device=allowed.device)).unsqueeze(1)
+
+
+class Target:
+    """A causal LM scored block by block on a SpecCache. One instance can serve many generations."""
+
+    def __init__(self, model: torch.nn.Module, config: TargetConfig = TargetConfig(), name: str = "target"):
+        check_causal_lm(model, name)
+        self.model = model.eval()
+        self.config = config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.num_layers = int(model.config.num_hidden_layers)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._forward = self._eager_forward
+        if config.compile:
+            self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False)
+
+    def new_cache(self, batch: int, max_len: int) -> SpecCache:
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos is not None and max_len > max_pos:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
+        return SpecCache(self.num_layers, batch, max_len, self.device)
+
+    def _eager_forward(self, cache: SpecCache, tokens, positions, mask) -> BlockOutput:
+        want_hidden = self.config.hidden_layers is not None
+        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                         use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache})
+        hidden = None
+        if want_hidden:
+            hs = out.hidden_states  # tuple of (B, Q, D), embeddings first, last one normed
+            hidden = torch.cat([hs[i] for i in self.config.hidden_layers], dim=-1)  # (B, Q, L*D)
+        return BlockOutput(logits=out.logits.float(), hidden=hidden)
+
+    @torch.no_grad()
+    def forward_block(self, cache: SpecCache, tokens: torch.Tensor, positions: torch.Tensor,
+                      allowed: torch.Tensor, slots: Optional[torch.Tensor] = None) -> BlockOutput:
+        """One forward of a block. tokens/positions (B, Q); allowed (B, Q, S) bool attention;
+        slots (B, Q) where the block's K/V are written (default: after each row's length)."""
+        if slots is None:
+            cache.begin_block(tokens.shape[1])
+        else:
+            cache.set_block_slots(slots)
+        mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
+        return self._forward(cache, tokens, positions, mask)
+
+    # -- the three block shapes generate.py uses ------------------------------------------------
+    def prefill(self, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor) -> BlockOutput:
+        """Write tokens[b, :lengths[b]] of every row (right-padded (B, T)) and commit them."""
+        B, T = tokens.shape
+        if T == 0:
+            return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=tokens.device))
+        slots = cache.begin_block(T)  # (B, T)
+        S = cache.max_len
+        ar = torch.arange(S, device=tokens.device)  # (S,)
+        allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, T, S) causal over own row
+        out = self.forward_block(cache, tokens.clamp(min=0), slots, allowed, slots=slots)
+        cache.commit(lengths)
+        return out
+
+    def verify_chain(self, cache: SpecCache, block: torch.Tensor) -> BlockOutput:
+        """Score block (B, Q) = [last committed token, draft_1..draft_{Q-1}] (-1 padding allowed).
+
+        Returns logits (B, Q, V): row i is the target's next-token logits after block[:, :i+1].
+        The caller then commits 1 + accepted slots per row.
+        """
+        Q = block.shape[1]
+        slots = cache.begin_block(Q)  # (B, Q) == position ids
+        S = cache.max_len
+        ar = torch.arange(S, device=block.device)  # (S,)
+        allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S)
+        return self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots)
+
+    def verify_tree(self, cache: SpecCache, block: torch.Tensor, ancestors: torch.Tensor,
+                    depth: torch.Tensor) -> BlockOutput:
+        """Score a tree block (B, 1+N) = [root, node_1..node_N] in one forward.
+
+        ancestors (B, 1+N, 1+N) bool: block position i may attend block position j (j == i or an
+        ancestor; the root is everyone's ancestor). depth (B, 1+N): 0 for the root.
+        """
+        Q = block.shape[1]
+        slots = cache.begin_block(Q)  # (B, Q)
+        S = cache.max_len
+        L = cache.lengths.view(-1, 1, 1)  # (B, 1, 1)
+        ar = torch.arange(S, device=block.device).view(1, 1, S)  # (1, 1, S)
+        rel = (ar - L).clamp(min=0, max=Q - 1).expand(block.shape[0], Q, S)  # (B, Q, S)
+        in_block = ancestors.gather(2, rel)  # (B, Q, S): ancestor relation read at slot - L
+        allowed = (ar < L) | ((ar >= L) & (ar < L + Q) & in_block)  # (B, Q, S)
+        positions = cache.lengths.unsqueeze(1) + depth  # (B, Q)
+        return self.forward_block(cache, block.clamp(min=0), positions, allowed, slots=slots)

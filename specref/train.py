@@ -1,0 +1,272 @@
+"""The training loop shared by every learned proposer (draft models now; Medusa, EAGLE, MTP heads later).
+
+Distillation of a proposer against a frozen target (Leviathan et al. 2023 Sec. 3.5 note that q
+only needs to approximate p; DistillSpec, Zhou et al. 2024, distils q towards p on the target's own
+outputs): a `TrainTask` owns the frozen target, the trainable module and the loss; this file owns
+the rest: AdamW, a linear-warmup cosine learning-rate schedule, gradient clipping by global norm,
+periodic held-out evaluation (loss, top-1 agreement with the target = the greedy acceptance rate
+per position, and the simulated acceptance beta = sum_x min(p(x), q(x)), Leviathan et al.
+Definition 3.1, averaged over positions), checkpoints as safetensors (weights, AdamW moments,
+step, history; never pickle) written atomically, and exact resumption: the data order is a pure
+function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
+
+`train_main(argv)` is `python -m specref train`: self-distilled data (distill_data.py), then the
+reduced-vocabulary draft for the default model (trained_draft.py). Left out: mixed precision,
+gradient accumulation, multi-device training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from .distill_data import Batch, Seq, collate
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training run."""
+
+    steps: int = 600  # optimizer steps in total
+    batch_size: int = 8  # sequences per step
+    lr: float = 5e-4  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 30  # linear warm-up from 0 to lr
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW betas
+    beta2: float = 0.98
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: off)
+    eval_every: int = 100  # held-out evaluation every this many steps (and at the start and end)
+    checkpoint_every: int = 100  # checkpoint every this many steps (and at the end)
+    max_len: int = 512  # tokens kept per sequence
+    seed: int = 0  # data order
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "eval_every", "checkpoint_every", "max_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+
+
+class TrainTask(Protocol):
+    """What a learned proposer plugs into `fit`."""
+
+    module: torch.nn.Module  # put in train()/eval() mode by fit
+
+    def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """The parameters to optimise and checkpoint (stable names)."""
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """Scalar training loss of one batch (the frozen target is the task's business)."""
+
+    def evaluate(self, batch: Batch) -> Dict[str, float]:
+        """Sums over the batch's loss positions: 'count' and e.g. 'loss', 'top1', 'accept'."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    t = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def batch_indices(step: int, n: int, cfg: TrainConfig) -> List[int]:
+    """Sequence indices of a step: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
+    out, perms = [], {}
+    for i in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+        epoch = i // n
+        if epoch not in perms:
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            perms[epoch] = torch.randperm(n, generator=g).tolist()
+        out.append(perms[epoch][i % n])
+    return out
+
+
+def evaluate(task: TrainTask, seqs: Sequence[Seq], cfg: TrainConfig) -> Dict[str, float]:
+    """Position-weighted means of the task's metrics over held-out sequences."""
+    task.module.eval()
+    dev = next(p.device for _, p in task.named_trainable())
+    sums: Dict[str, float] = {}
+    with torch.no_grad():
+        for b0 in range(0, len(seqs), cfg.batch_size):
+            part = task.evaluate(collate(seqs[b0: b0 + cfg.batch_size], cfg.max_len).to(dev))
+            for key, v in part.items():
+                sums[key] = sums.get(key, 0.0) + float(v)
+    n = max(sums.pop("count", 0.0), 1.0)
+    return {key: v / n for key, v in sums.items()}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(path, task: TrainTask, opt: torch.optim.Optimizer, step: int, history: list,
+                    cfg: TrainConfig) -> None:
+    """Trainable weights + AdamW state + step + history as one safetensors file (atomic)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"module.{n}": p.detach().cpu().contiguous() for n, p in task.named_trainable()}
+    state = opt.state_dict()
+    for i, st in state["state"].items():
+        for key, v in st.items():
+            tensors[f"optim.{i}.{key}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    meta = {"step": str(step), "history": json.dumps(history), "config": json.dumps(asdict(cfg)),
+            "param_groups": json.dumps(state["param_groups"])}
+    tmp = str(path) + ".tmp"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, task: TrainTask, opt: torch.optim.Optimizer) -> Tuple[int, list]:
+    """Restore weights and optimizer state in place; returns (step, history)."""
+    from safetensors import safe_open
+
+    params = dict(task.named_trainable())
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        for key in f.keys():
+            kind, rest = key.split(".", 1)
+            if kind == "module":
+                if rest not in params:
+                    raise ValueError(f"checkpoint {path} holds {rest!r}, which the task does not train")
+                with torch.no_grad():
+                    params[rest].copy_(f.get_tensor(key))
+            else:
+                i, name = rest.split(".", 1)
+                state.setdefault(int(i), {})[name] = f.get_tensor(key)
+    groups = json.loads(meta["param_groups"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+    return int(meta["step"]), json.loads(meta["history"])
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class TrainResult:
+    history: List[dict]  # one dict per evaluation: step, lr, train_loss, held-out metrics, seconds
+    steps: int
+    seconds: float
+
+
+def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: TrainConfig,
+        out_dir=None, progress: bool = True, log=print, stop_after: Optional[int] = None) -> TrainResult:
+    """Train task's parameters on `train`, evaluating on `heldout`; resumes from out_dir's checkpoint.
+
+    stop_after: leave (after checkpointing) once this step is reached; a later call resumes."""
+    from tqdm.auto import tqdm
+
+    if not train:
+        raise ValueError("no training sequences")
+    named = task.named_trainable()
+    if not named:
+        raise ValueError("the task has no trainable parameters")
+    opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=cfg.weight_decay)
+    dev = named[0][1].device
+    step, history, t_start = 0, [], time.perf_counter()
+    ckpt = Path(out_dir) / CHECKPOINT if out_dir is not None else None
+    if ckpt is not None:
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+    if ckpt is not None and ckpt.is_file():
+        step, history = load_checkpoint(ckpt, task, opt)
+        log(f"resumed from {ckpt} at step {step}")
+    elapsed0 = history[-1]["seconds"] if history else 0.0
+
+    def record(s: int, train_loss: Optional[float]) -> None:
+        row = {"step": s, "lr": lr_at(min(s, max(cfg.steps - 1, 0)), cfg), "train_loss": train_loss,
+               **{f"heldout_{k}": v for k, v in evaluate(task, heldout, cfg).items()},
+               "seconds": elapsed0 + time.perf_counter() - t_start}
+        history.append(row)
+        log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+
+    if step == 0 and heldout and not history:
+        record(0, None)
+    bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step", disable=not progress)
+    running = []
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    while step < end:
+        task.module.train()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = collate([train[i] for i in batch_indices(step, len(train), cfg)], cfg.max_len).to(dev)
+        loss = task.loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip)
+        opt.step()
+        step += 1
+        running.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(running[-20:]) / len(running[-20:]):.3f}")
+        if heldout and (step % cfg.eval_every == 0 or step == cfg.steps):
+            record(step, sum(running) / len(running))
+            running = []
+        if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end):
+            save_checkpoint(ckpt, task, opt, step, history, cfg)
+    bar.close()
+    return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start)
+
+
+def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List[Seq], List[Seq]]:
+    """(train, heldout): a seeded random `fraction` of the sequences is held out."""
+    perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(seed + 7)).tolist()
+    n_held = max(1, int(round(fraction * len(seqs)))) if fraction > 0 else 0
+    held = set(perm[:n_held])
+    return ([s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held])
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def train_main(argv=None) -> int:
+    """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
+    from .distill_data import DistillConfig
+    from .trained_draft import DraftTrainConfig, run_training
+
+    ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
+    ap.add_argument("--data", default=None, help="data folder (default: <out>/data)")
+    ap.add_argument("--num-instructions", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
+    ap.add_argument("--temperature", type=float, default=DistillConfig.temperature)
+    ap.add_argument("--gen-batch-size", type=int, default=DistillConfig.batch_size)
+    ap.add_argument("--layers", type=int, default=DraftTrainConfig.num_layers)
+    ap.add_argument("--draft-vocab", type=int, default=DraftTrainConfig.draft_vocab)
+    ap.add_argument("--loss", choices=("kl", "ce"), default=DraftTrainConfig.loss)
+    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--export", default=None, help="also write the trained draft to this .safetensors path")
+    ap.add_argument("--eval", action="store_true", help="measure tau and speed-up on Spec-Bench afterwards")
+    ap.add_argument("--eval-per-category", type=int, default=2)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=None, help="draft length for --eval (default: closed form)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    data_cfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
+                             temperature=a.temperature, batch_size=a.gen_batch_size)
+    train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
+    draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
+    return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
+                        export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
+                        eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)

@@ -1,0 +1,275 @@
+"""A trained draft for the default model: few target layers, a reduced vocabulary, distilled on p.
+
+Vanilla speculative decoding (Leviathan et al. 2023) gains only if the draft is both cheap (c, the
+cost of a draft step over a target step) and close to the target (alpha). On 2 CPU cores the
+default target's LM head (576 x 49152) alone costs ~21% of a target step (DESIGN.md), so the draft
+here is: the target's input embedding (frozen, shared storage), its first L decoder layers and
+final norm (copied, trained), and an LM head over only the Vd most frequent tokens of the
+distilled responses (EAGLE-3's reduced draft vocabulary, Li et al. 2025), mapped back to target
+ids by `token_map` (Vd,). q is 0 outside the map, which keeps speculative sampling lossless.
+
+Training (train.py's loop) minimises KL(p || q) on the self-distilled responses: the soft cross-
+entropy -sum_x p(x) log q(x) over the target's stored top-k tokens that are in the draft
+vocabulary (H(p) is a constant), or, with loss="ce", the cross-entropy on the target's argmax.
+Held-out metrics: top-1 agreement (the greedy acceptance rate given the target's context),
+beta = sum_x min(p, q) over the stored top-k (a lower bound: p's mass outside the top-k is
+dropped), and coverage (target argmax inside the draft vocabulary).
+Left out: draft models of another architecture or tokenizer; training on target hidden states
+(that is EAGLE's, eagle_head.py). Only Llama-family decoders (`model.model.layers`, unscaled
+embeddings, plain LM head) are supported.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .distill_data import Batch, Seq, fingerprint, teacher_topk
+
+WEIGHTS = Path(__file__).with_name("weights") / "smollm2_135m_draft.safetensors"
+FORMAT = "specref-draft-1"
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Settings of the distilled draft."""
+
+    num_layers: int = 2  # decoder layers, initialised from the target's first ones
+    draft_vocab: int = 8192  # Vd: most frequent tokens of the distilled responses
+    loss: str = "kl"  # "kl": soft cross-entropy to p's top-k; "ce": cross-entropy to p's argmax
+    heldout_fraction: float = 0.05  # sequences held out for evaluation
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("kl", "ce"):
+            raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {self.num_layers!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 2:
+            raise ValueError(f"draft_vocab must be an int >= 2, got {self.draft_vocab!r}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
+
+
+def build_token_map(seqs: Sequence[Seq], vocab_size: int, draft_vocab: int) -> torch.Tensor:
+    """The draft_vocab target ids with the most expected occurrences in the responses (sum of p
+    over the stored top-k, or plain counts of the response tokens), ties and unseen ids by id."""
+    if not 2 <= draft_vocab <= vocab_size:
+        raise ValueError(f"draft_vocab must be in [2, {vocab_size}], got {draft_vocab}")
+    counts = torch.zeros(vocab_size, dtype=torch.float64)  # (V,)
+    for s in seqs:
+        if s.topk_ids is not None:
+            counts.index_add_(0, s.topk_ids.flatten(), s.topk_logprobs.double().exp().flatten())
+        else:
+            counts.index_add_(0, s.tokens[s.prompt_len:], torch.ones(len(s.tokens) - s.prompt_len,
+                                                                      dtype=torch.float64))
+    # stable sort on -count: equal counts keep id order (low BPE ids are the frequent merges)
+    order = torch.sort(-counts, stable=True).indices  # (V,)
+    return order[:draft_vocab].clone()  # (Vd,)
+
+
+def build_draft(target: torch.nn.Module, num_layers: int, token_map: torch.Tensor) -> torch.nn.Module:
+    """An HF causal LM: the target's frozen input embedding (storage shared), copies of its first
+    num_layers layers and final norm, and an LM head (Vd, D) = the target's output rows token_map."""
+    from transformers import AutoModelForCausalLM
+
+    inner = getattr(target, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(target).__name__} keeps no `model.layers`; cannot build a draft from it")
+    if not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers!r}")
+    token_map = torch.as_tensor(token_map, dtype=torch.long)
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    cfg.vocab_size = int(token_map.numel())  # the LM head's size; inputs are still target ids
+    cfg.tie_word_embeddings = False
+    p = next(target.parameters())
+    draft = AutoModelForCausalLM.from_config(cfg).to(device=p.device, dtype=p.dtype)
+    for i in range(num_layers):
+        draft.model.layers[i].load_state_dict(layers[i].state_dict())
+    draft.model.norm.load_state_dict(inner.norm.state_dict())
+    emb = inner.embed_tokens.weight.detach()  # (V, D), shared storage, never trained
+    draft.model.embed_tokens = torch.nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb, _freeze=True)
+    with torch.no_grad():
+        head = target.get_output_embeddings().weight  # (V, D)
+        draft.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
+    return draft.eval()
+
+
+class DraftDistillTask:
+    """TrainTask: distil a reduced-vocabulary draft against the target's top-k distributions.
+
+    Batches carry the stored top-k (distill_data); without it, the frozen `target` computes it."""
+
+    def __init__(self, draft: torch.nn.Module, token_map: torch.Tensor, vocab_size: int, loss: str = "kl",
+                 target: Optional[torch.nn.Module] = None, topk: int = 32):
+        if loss not in ("kl", "ce"):
+            raise ValueError(f"loss must be 'kl' or 'ce', got {loss!r}")
+        self.module, self.target, self.loss_kind, self.topk = draft, target, loss, topk
+        dev = next(draft.parameters()).device
+        self.token_map = torch.as_tensor(token_map, dtype=torch.long, device=dev)  # (Vd,)
+        self.inv = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # (V,)
+        self.inv[self.token_map] = torch.arange(self.token_map.numel(), device=dev)
+
+    def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def _score(self, batch: Batch):
+        """Draft log q and the teacher's top-k at the loss positions (N of them)."""
+        if batch.topk_ids is None:
+            if self.target is None:
+                raise ValueError("the batch holds no stored top-k and the task has no target to compute it")
+            ids, logp = teacher_topk(self.target, batch, self.topk)  # (B, T, K)
+        else:
+            ids, logp = batch.topk_ids, batch.topk_logprobs
+        m = batch.loss_mask  # (B, T)
+        hid = self.module.model(input_ids=batch.tokens, attention_mask=batch.attention.long()).last_hidden_state
+        logq = torch.log_softmax(self.module.lm_head(hid[m]).float(), dim=-1)  # (N, Vd)
+        d_ids = self.inv[ids[m]]  # (N, K) draft ids, -1 outside the draft vocabulary
+        p = logp[m].exp()  # (N, K)
+        valid = d_ids >= 0  # (N, K)
+        lq = logq.gather(1, d_ids.clamp(min=0))  # (N, K)
+        return logq, ids[m], p, lq, valid
+
+    def _loss_rows(self, p, lq, valid) -> torch.Tensor:
+        if self.loss_kind == "kl":
+            return -(p * lq * valid).sum(1)  # (N,)
+        return -(lq[:, 0] * valid[:, 0])  # (N,)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        _, _, p, lq, valid = self._score(batch)
+        return self._loss_rows(p, lq, valid).mean()
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> Dict[str, float]:
+        logq, ids, p, lq, valid = self._score(batch)
+        top1 = self.token_map[logq.argmax(1)] == ids[:, 0]  # (N,)
+        accept = (torch.minimum(p, lq.exp()) * valid).sum(1)  # (N,)
+        return {"count": float(ids.shape[0]), "loss": float(self._loss_rows(p, lq, valid).sum()),
+                "top1": float(top1.sum()), "accept": float(accept.sum()),
+                "coverage": float(valid[:, 0].sum())}
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def save_draft(path, draft: torch.nn.Module, token_map: torch.Tensor, target_fingerprint: str,
+               record: dict, dtype: torch.dtype = torch.float16) -> None:
+    """The trained tensors (not the shared embedding) + token_map + a training record, safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {n: p.detach().to(dtype).cpu().contiguous() for n, p in draft.named_parameters()
+               if p.requires_grad}
+    tensors["token_map"] = token_map.to(torch.int32).cpu().contiguous()
+    meta = {"format": FORMAT, "num_layers": str(draft.config.num_hidden_layers),
+            "draft_vocab": str(token_map.numel()), "target_fingerprint": target_fingerprint,
+            "record": json.dumps(record)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path) + ".tmp"
+    save_file(tensors, tmp, metadata=meta)
+    Path(tmp).replace(path)
+
+
+def trained_draft_info(path=WEIGHTS) -> dict:
+    """The metadata of a trained-draft file: num_layers, draft_vocab, fingerprint, record (dict)."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise ValueError(f"no trained draft at {path}; make one with `python -m specref train`")
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a specref trained draft (format {meta.get('format')!r})")
+    meta["record"] = json.loads(meta.get("record", "{}"))
+    return meta
+
+
+def load_trained_draft(target: Optional[torch.nn.Module] = None, path=None
+                       ) -> Tuple[torch.nn.Module, torch.Tensor]:
+    """(draft model, token_map (Vd,)) for DraftModelProposer(draft, cfg, token_map, vocab_size=V).
+
+    target: the model the draft was trained for (default: models.load_default()); its embedding is
+    shared. path: a file from `python -m specref train` (default: the committed weights)."""
+    from safetensors.torch import load_file
+
+    path = WEIGHTS if path is None else Path(path)
+    info = trained_draft_info(path)
+    if target is None:
+        from .models import load_default
+
+        target, _ = load_default()
+    if info["target_fingerprint"] != fingerprint(target):
+        warnings.warn(f"{path} was trained for a target with fingerprint {info['target_fingerprint']}, "
+                      "not this one: it stays lossless but may be accepted rarely")
+    tensors = load_file(str(path))
+    token_map = tensors.pop("token_map").long()  # (Vd,)
+    draft = build_draft(target, int(info["num_layers"]), token_map)
+    p = next(target.parameters())
+    params = dict(draft.named_parameters())
+    missing = {n for n, q in params.items() if q.requires_grad} - set(tensors)
+    if missing or set(tensors) - set(params):
+        raise ValueError(f"{path} does not match the draft's parameters (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(set(tensors) - set(params))[:3]})")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            params[n].copy_(t.to(device=p.device, dtype=p.dtype))
+    return draft.eval(), token_map.to(p.device)
+
+
+# ----------------------------------------------------------------------------- one command
+
+
+def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, data=None,
+                 device="cpu", export=None, evaluate_after=False, eval_per_category=2,
+                 eval_max_new_tokens=128, k=None) -> int:
+    """Self-distil data with the default model, train the reduced-vocabulary draft, save it."""
+    from .distill_data import distill, iter_sequences
+    from .models import cache_root, load_default
+    from .train import fit, split_heldout
+
+    out = Path(out) if out else cache_root() / "train" / f"seed{train_cfg.seed}"
+    data = Path(data) if data else out / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    target, tok = load_default(device=device)
+    for q in target.parameters():
+        q.requires_grad_(False)
+    t0 = time.perf_counter()
+    manifest = distill(target, tok, data, data_cfg)
+    t_data = time.perf_counter() - t0
+    seqs = list(iter_sequences(data))
+    train, held = split_heldout(seqs, draft_cfg.heldout_fraction, train_cfg.seed)
+    V = target.get_output_embeddings().weight.shape[0]
+    token_map = build_token_map(train, V, draft_cfg.draft_vocab)
+    draft = build_draft(target, draft_cfg.num_layers, token_map)
+    task = DraftDistillTask(draft, token_map, V, draft_cfg.loss, target=target,
+                            topk=manifest["settings"]["topk"] or 32)
+    result = fit(task, train, held, train_cfg, out_dir=out)
+    final = result.history[-1] if result.history else {}
+    record = {"data": {k2: manifest[k2] for k2 in ("counts", "settings", "model_fingerprint")},
+              "train": asdict(train_cfg), "draft": asdict(draft_cfg), "train_seconds": result.seconds,
+              "data_seconds_this_run": t_data, "heldout": {k2: v for k2, v in final.items()
+                                                           if k2.startswith("heldout_")},
+              "train_sequences": len(train), "heldout_sequences": len(held)}
+    path = out / "draft.safetensors"
+    save_draft(path, draft, token_map, manifest["model_fingerprint"], record)
+    print(f"saved {path}\n{json.dumps(record, indent=1)}")
+    if export:
+        save_draft(export, draft, token_map, manifest["model_fingerprint"], record)
+        print(f"exported {export}")
+    if evaluate_after:
+        from .draft_eval import measure_draft, to_markdown
+
+        res = measure_draft(target, tok, draft, token_map, per_category=eval_per_category,
+                            max_new_tokens=eval_max_new_tokens, k=k,
+                            alpha=final.get("heldout_top1"))
+        print(to_markdown(res))
+        return 0 if res["parity"] else 1
+    return 0

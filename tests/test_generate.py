@@ -1,0 +1,194 @@
+"""The whole loop: greedy parity, lossless sampling (chi-square vs exact), batch independence, errors."""
+import numpy as np
+import pytest
+import torch
+
+from _stats import power_sample_size
+from specref import oracle
+from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
+from specref.exact import hf_joint_distribution
+from specref.generate import autoregressive_generate, speculative_generate
+from specref.models import perturbed_copy, tiny_model
+from specref.sampling import SamplingConfig
+
+ALPHA = 1e-3
+N_ROWS = 80_000  # rows per whole-loop chi-square run (one batch); power asserted in each test
+
+
+def _stat_pair():
+    """A peaked V=16 target whose context matters, and a perturbed copy as the draft (accepted
+    56-81% of the time in these cases: rejections and full accepts both occur)."""
+    target = tiny_model("llama", vocab_size=16, seed=11, init_std=0.2, logit_scale=4.0,
+                        num_heads=2, num_kv_heads=1)
+    return target, perturbed_copy(target, 0.3, seed=1)
+
+
+def _prompts(vocab, lengths, seed=0):
+    """Left-padded prompts of different lengths + attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros(len(lengths), T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, T - n:] = torch.randint(0, vocab, (n,), generator=g)
+        mask[b, T - n:] = 1
+    return ids, mask
+
+
+def _hf_greedy(model, ids, mask, n):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_parity_tiny(arch):
+    target = tiny_model(arch, vocab_size=96, seed=1)
+    drafts = {
+        "other": tiny_model(arch, vocab_size=96, seed=2, num_layers=1),  # mostly rejected
+        "self": target,  # always accepted: exercises full accepts and the bonus token
+        "trunc": truncated_draft(target, 1),
+    }
+    for lengths in ([7], [3, 9, 5, 12]):
+        ids, mask = _prompts(96, lengths, seed=len(lengths))
+        n = 20
+        ar = autoregressive_generate(target, ids, mask, max_new_tokens=n, temperature=0)
+        hf = _hf_greedy(target, ids, mask, n)
+        assert torch.equal(ar.tokens, hf), "autoregressive_generate != HF generate"
+        for name, d in drafts.items():
+            for k in (1, 4, 8):
+                sp = speculative_generate(target, DraftModelProposer(d, DraftModelConfig(k=k)), ids, mask,
+                                          max_new_tokens=n, temperature=0)
+                assert torch.equal(sp.tokens, ar.tokens), (arch, name, k, lengths)
+                if name == "self":
+                    assert sp.stats.acceptance_rate == 1.0
+
+
+def test_batch_independence_and_eos():
+    target = tiny_model("llama", vocab_size=64, seed=5)
+    draft = tiny_model("llama", vocab_size=64, seed=6, num_layers=1)
+    ids, mask = _prompts(64, [4, 10, 6], seed=3)
+    full = speculative_generate(target, DraftModelProposer(draft, DraftModelConfig(k=3)), ids, mask,
+                                max_new_tokens=16, temperature=0)
+    for b in range(3):
+        alone = speculative_generate(target, DraftModelProposer(draft, DraftModelConfig(k=3)),
+                                     ids[b][mask[b].bool()], max_new_tokens=16, temperature=0)
+        assert alone.row(0) == full.row(b)
+    # eos: stop each row at its first eos, even inside an accepted run
+    eos = full.row(1)[5]
+    cut = speculative_generate(target, DraftModelProposer(target, DraftModelConfig(k=4)), ids, mask,
+                               max_new_tokens=16, temperature=0, eos_token_id=eos)
+    for b in range(3):
+        row = full.row(b)
+        stop = row.index(eos) + 1 if eos in row else len(row)
+        assert cut.row(b) == row[:stop]
+        assert (cut.tokens[b, stop:] == -1).all()
+
+
+def _joint_counts(out, V, L):
+    toks = out.tokens[:, :L].numpy()
+    assert (toks >= 0).all()
+    return oracle.counts(oracle.joint_index(toks, V), V ** L)
+
+
+@pytest.mark.parametrize("case", [
+    # (temperature, top_k, top_p, greedy draft, k)
+    (1.0, 0, 1.0, False, 2),  # plain sampling, sampled draft with q
+    (0.7, 5, 1.0, False, 3),  # temperature + top-k applied to p and q
+    (1.0, 0, 0.9, True, 2),  # top-p, deterministic (argmax) draft: q = None
+    (0.7, 5, 1.0, True, 1),  # temperature + top-k, deterministic draft
+])
+def test_whole_loop_lossless(case):
+    """Joint of the first 3 tokens from speculative_generate vs the exact distribution (V = 16).
+
+    80,000 rows in one batch. Power: the sample size that detects a TV deviation of 0.02 with
+    probability >= 0.99 at 1e-3 (on the partition the test uses after pooling) is asserted <= n.
+    """
+    temperature, top_k, top_p, greedy_draft, k = case
+    V, L, n = 16, 3, N_ROWS
+    target, draft = _stat_pair()
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    s = SamplingConfig(temperature, top_k, top_p)
+    exact = hf_joint_distribution(target, prompt, L, s).numpy()
+    need = power_sample_size(exact, n)
+    assert need <= n, f"{n} samples give too little power ({need} needed)"
+    prop = DraftModelProposer(draft, DraftModelConfig(k=k, greedy_draft=greedy_draft))
+    out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L,
+                               temperature=temperature, top_k=top_k, top_p=top_p,
+                               generator=torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31))
+    res = oracle.chi_square_gof(_joint_counts(out, V, L), exact)
+    assert 0.3 < out.stats.acceptance_rate < 0.95  # the draft is neither useless nor the target
+    assert res.p_value > ALPHA, res
+
+
+def test_whole_loop_catches_a_wrong_verifier(monkeypatch):
+    """The same test fails when the rejection step ignores q (accepts every draft token)."""
+    from specref import rejection
+
+    V, L, n = 16, 3, N_ROWS
+    target, draft = _stat_pair()
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    s = SamplingConfig(1.0)
+    exact = hf_joint_distribution(target, prompt, L, s).numpy()
+
+    def accept_all(draft_tokens, p, q=None, *, lengths=None, generator=None):
+        B, K = draft_tokens.shape
+        lengths = (draft_tokens >= 0).sum(1) if lengths is None else lengths
+        bonus = torch.multinomial(p[torch.arange(B), lengths], 1, generator=torch.Generator().manual_seed(0))
+        toks = torch.cat([draft_tokens, torch.full((B, 1), -1)], 1)
+        toks[torch.arange(B), lengths] = bonus[:, 0]
+        return rejection.ChainResult(tokens=toks, num_accepted=lengths)
+
+    monkeypatch.setattr(rejection, "verify_chain", accept_all)
+    out = speculative_generate(target, DraftModelProposer(draft, DraftModelConfig(k=2)),
+                               prompt.expand(n, -1), max_new_tokens=L, temperature=1.0, seed=0)
+    assert oracle.chi_square_gof(_joint_counts(out, V, L), exact).p_value < ALPHA
+
+
+def test_autoregressive_sampling_lossless():
+    V, L, n = 16, 3, N_ROWS
+    target = tiny_model("qwen2", vocab_size=V, seed=4, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
+    prompt = torch.tensor([2, 7])
+    exact = hf_joint_distribution(target, prompt, L, SamplingConfig(0.8, 0, 0.95)).numpy()
+    assert power_sample_size(exact, n) <= n
+    out = autoregressive_generate(target, prompt.expand(n, -1), max_new_tokens=L, temperature=0.8,
+                                  top_p=0.95, seed=1)
+    assert oracle.chi_square_gof(_joint_counts(out, V, L), exact).p_value > ALPHA
+
+
+def test_seeded_rows_reproduce():
+    target = tiny_model("llama", vocab_size=64, seed=5)
+    draft = tiny_model("llama", vocab_size=64, seed=6, num_layers=1)
+    ids, mask = _prompts(64, [4, 10], seed=3)
+    a = speculative_generate(target, DraftModelProposer(draft), ids, mask, max_new_tokens=12, seed=7)
+    b = speculative_generate(target, DraftModelProposer(draft), ids, mask, max_new_tokens=12, seed=7)
+    assert torch.equal(a.tokens, b.tokens)
+    # row 1 alone with its own generator (seed 7 + 1) reproduces row 1 of the batch
+    c = speculative_generate(target, DraftModelProposer(draft), ids[1][mask[1].bool()],
+                             max_new_tokens=12, generator=[torch.Generator().manual_seed(8)])
+    assert c.row(0) == a.row(1)
+
+
+def test_bad_input_raises():
+    target = tiny_model("llama", vocab_size=64, seed=5)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="vocab"):
+        speculative_generate(target, DraftModelProposer(tiny_model("llama", vocab_size=32)), ids,
+                             max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        autoregressive_generate(target, ids, torch.zeros_like(ids), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        autoregressive_generate(target, ids, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="k must be"):
+        DraftModelConfig(k=0)
+    with pytest.raises(ValueError, match="max_len"):
+        autoregressive_generate(target, ids, max_new_tokens=8, max_len=6)
+    with pytest.raises(ValueError, match="outside"):
+        autoregressive_generate(target, torch.tensor([[1, 64]]), max_new_tokens=2)
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ValueError, match="causal"):
+        autoregressive_generate(bert, ids, max_new_tokens=2)
+    assert autoregressive_generate(target, ids, max_new_tokens=0).tokens.shape == (1, 0)

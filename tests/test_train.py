@@ -1,0 +1,156 @@
+"""Tests of train.py, distill_data.py and trained_draft.py: shards, the loop, resumption, parity."""
+import math
+
+import pytest
+import torch
+
+from specref.distill_data import Seq, collate, read_shard, teacher_topk, write_shard
+from specref.models import tiny_model
+from specref.train import TrainConfig, batch_indices, fit, load_checkpoint, lr_at, split_heldout
+from specref.trained_draft import DraftDistillTask, build_draft, build_token_map
+
+V = 64
+
+
+def _target():
+    # peaked, context-dependent next-token distributions (models.tiny_model's recommendation)
+    m = tiny_model("llama", vocab_size=V, num_layers=2, seed=3, init_std=0.2, logit_scale=2.0)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _data(target, n=48, seed=0):
+    """Sequences sampled from the target itself: a 4-token random prompt, 20 response tokens."""
+    from specref.generate import autoregressive_generate
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (n, 4), generator=g)  # (n, 4)
+    out = autoregressive_generate(target, prompts, max_new_tokens=20, temperature=1.0, seed=seed)
+    seqs = [Seq(torch.cat([prompts[i], out.tokens[i]]), 4) for i in range(n)]
+    batch = collate(seqs)
+    ids, logp = teacher_topk(target, batch, 16)  # (n, 24, 16)
+    for i, s in enumerate(seqs):
+        s.topk_ids, s.topk_logprobs = ids[i, 3:23], logp[i, 3:23].half().float()
+    return seqs
+
+
+def _task(target, train):
+    torch.manual_seed(0)
+    token_map = build_token_map(train, V, 48)  # a reduced draft vocabulary: 48 of 64 tokens
+    draft = build_draft(target, 1, token_map)
+    return DraftDistillTask(draft, token_map, V, "kl", target=target, topk=16)
+
+
+def test_collate_marks_response_positions():
+    seqs = [Seq(torch.tensor([5, 6, 7, 8, 9]), 2),  # prompt 5 6, response 7 8 9: positions 1..3 predict it
+            Seq(torch.tensor([1, 2, 3]), 1)]  # prompt 1, response 2 3: positions 0..1
+    b = collate(seqs)
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]
+    assert b.attention.tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    assert b.loss_mask.tolist() == [[False, True, True, True, False], [True, True, False, False, False]]
+    assert b.topk_ids is None
+
+
+def test_shard_round_trip(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    seqs = [Seq(torch.randint(0, 50000, (L,), generator=g), P,
+                torch.randint(0, 50000, (L - P, 4), generator=g), torch.randn(L - P, 4, generator=g))
+            for L, P in ((10, 3), (7, 7), (30, 12))]  # the middle one has an empty response
+    write_shard(tmp_path / "shard_00000.safetensors", seqs)
+    back = read_shard(tmp_path / "shard_00000.safetensors")
+    assert len(back) == 3
+    for a, b in zip(seqs, back):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        assert torch.equal(a.topk_ids, b.topk_ids)
+        assert torch.equal(a.topk_logprobs.half().float(), b.topk_logprobs)  # stored as float16
+
+
+def test_schedule_and_data_order():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, batch_size=4, seed=1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)  # first warm-up step: lr / warmup
+    assert lr_at(9, cfg) == pytest.approx(1.0)  # warm-up ends at the peak
+    assert lr_at(55, cfg) == pytest.approx(0.55)  # half-way through the cosine: (1 + 0.1) / 2
+    assert lr_at(100, cfg) == pytest.approx(0.1)  # the floor
+    # 10 sequences, 4 per step: steps 0..4 cover epochs 0 and 1 exactly once each
+    idx = sum((batch_indices(s, 10, cfg) for s in range(5)), [])
+    assert sorted(idx[:10]) == list(range(10)) and sorted(idx[10:]) == list(range(10))
+    assert idx[:10] != idx[10:]  # a new permutation each epoch
+    assert batch_indices(3, 10, cfg) == batch_indices(3, 10, cfg)  # a pure function of the step
+
+
+def test_training_reduces_heldout_loss_and_raises_agreement():
+    target = _target()
+    train, held = split_heldout(_data(target, 64), 0.25, seed=0)
+    task = _task(target, train)
+    cfg = TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=4, eval_every=40, seed=0)
+    res = fit(task, train, held, cfg, progress=False, log=lambda s: None)
+    first, last = res.history[0], res.history[-1]
+    assert first["step"] == 0 and last["step"] == 40
+    assert last["heldout_loss"] < first["heldout_loss"] - 0.05, (first, last)
+    assert last["heldout_top1"] > first["heldout_top1"], (first, last)
+    assert last["heldout_accept"] > first["heldout_accept"], (first, last)
+    assert 0 <= last["heldout_accept"] <= 1 and 0 <= last["heldout_top1"] <= 1
+
+
+def test_on_the_fly_teacher_equals_stored_topk():
+    target = _target()
+    seqs = _data(target, 4)
+    task = _task(target, seqs)
+    stored = collate(seqs)
+    bare = collate([Seq(s.tokens, s.prompt_len) for s in seqs])  # no stored top-k: the target computes it
+    a, b = task.evaluate(stored), task.evaluate(bare)
+    assert a["count"] == b["count"] == 4 * 20
+    assert a["top1"] == b["top1"]
+    assert math.isclose(a["loss"], b["loss"], rel_tol=2e-3)  # stored log-probs are float16
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    target = _target()
+    train, held = split_heldout(_data(target, 24), 0.25, seed=0)
+    cfg = TrainConfig(steps=6, batch_size=4, lr=3e-3, warmup_steps=2, eval_every=3, checkpoint_every=3)
+    quiet = dict(progress=False, log=lambda s: None)
+    whole = _task(target, train)
+    fit(whole, train, held, cfg, out_dir=tmp_path / "a", **quiet)
+    part = _task(target, train)
+    fit(part, train, held, cfg, out_dir=tmp_path / "b", stop_after=3, **quiet)  # interrupted at step 3
+    resumed = _task(target, train)  # a fresh process: new module, state from the checkpoint
+    res = fit(resumed, train, held, cfg, out_dir=tmp_path / "b", **quiet)
+    assert res.steps == 6
+    for (n, p), (_, q) in zip(whole.named_trainable(), resumed.named_trainable()):
+        assert torch.equal(p, q), n
+    step, history = load_checkpoint(tmp_path / "b" / "checkpoint.safetensors", _task(target, train),
+                                    torch.optim.AdamW([p for _, p in _task(target, train).named_trainable()]))
+    assert step == 6 and [h["step"] for h in history] == [0, 3, 6]
+
+
+def test_draft_shares_frozen_embedding_and_maps_vocab():
+    target = _target()
+    token_map = torch.arange(V - 1, V - 17, -1)  # draft token i is target id 63 - i
+    draft = build_draft(target, 1, token_map)
+    assert draft.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    assert not draft.model.embed_tokens.weight.requires_grad
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight[token_map])  # (16, D)
+    assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 16)
+    with pytest.raises(ValueError, match="num_layers"):
+        build_draft(target, 3, token_map)
+
+
+def test_greedy_parity_with_trained_draft():
+    from specref.distill_data import chat_prompt_ids
+    from specref.draft_model import DraftModelConfig, DraftModelProposer
+    from specref.generate import autoregressive_generate, speculative_generate
+    from specref.models import load_default
+    from specref.trained_draft import WEIGHTS, load_trained_draft
+
+    if not WEIGHTS.is_file():
+        pytest.fail(f"the committed trained draft {WEIGHTS} is missing")
+    target, tok = load_default()
+    draft, token_map = load_trained_draft(target)
+    for prompt in ("Name three colours of the rainbow.", "Write a Python function that adds two numbers."):
+        ids = torch.tensor([chat_prompt_ids(tok, prompt)])  # (1, T)
+        base = autoregressive_generate(target, ids, max_new_tokens=32, temperature=0.0)
+        prop = DraftModelProposer(draft, DraftModelConfig(k=4), token_map=token_map, vocab_size=49152)
+        spec = speculative_generate(target, prop, ids, max_new_tokens=32, temperature=0.0)
+        assert spec.row(0) == base.row(0)
+        assert spec.stats.target_forwards < base.stats.target_forwards  # the draft is accepted at all
