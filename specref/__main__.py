@@ -118,6 +118,11 @@ def generate_cmd(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "oracle":  # its own parser (argparse.REMAINDER drops --options)
+        from .oracle_check import oracle_main
+
+        return oracle_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m specref", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -137,16 +142,11 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    o = sub.add_parser("oracle", help="check a rejection sampler (see --help)", add_help=False)
-    o.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("oracle", help="check a rejection sampler: python -m specref oracle --help")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         return demo(args)
-    if args.cmd == "generate":
-        return generate_cmd(args)
-    from .oracle_check import oracle_main
-
-    return oracle_main(args.rest)
+    return generate_cmd(args)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ def speculative_generate(
         # 2. verify and 3. accept
         if draft.is_tree:
             emitted, n_acc, path, lengths, depth_of = _verify_tree(tgt, cache, draft, pending, ctx.active,
-                                                                   sampling, generator)
+                                                                   sampling, generator, proposer)
         else:
             lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
             emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator)
@@ -293,25 +293,37 @@ def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator):
     return res.tokens, res.num_accepted
 
 
-def _verify_tree(tgt, cache, draft, pending, active, sampling, generator):
+def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, proposer):
     """Score [pending, tree nodes] in one forward (tree attention) and run recursive rejection.
 
     -> emitted (B, D+1), accepted (B,), path (B, D) node indices, node lengths (B,), depth (B, N)."""
     B, dev = pending.shape[0], pending.device
     lengths = draft.lengths.to(dev) * active  # (B,)
-    N = int(lengths.max()) if B else 0
+    N = draft.tokens.shape[1] if draft.aux is not None else (int(lengths.max()) if B else 0)
     pos = torch.arange(N, device=dev)  # (N,)
     real = pos.view(1, N) < lengths.view(B, 1)  # (B, N)
+    parents = draft.parents if draft.parents is not None else (
+        torch.arange(draft.tokens.shape[1], device=dev) - 1).expand(B, -1)  # a chain as a tree
     tok = torch.where(real, draft.tokens[:, :N].to(dev), -1)  # (B, N)
-    par = torch.where(real, draft.parents[:, :N].to(dev), -1)  # (B, N)
+    par = torch.where(real, parents[:, :N].to(dev), -1)  # (B, N)
     anc = tree.ancestor_mask(par, lengths)  # (B, N, N)
     dep = tree.depths(par, lengths)  # (B, N)
-    anc_blk = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=dev)  # (B, 1+N, 1+N)
+    E = 0 if draft.aux is None else draft.aux.tokens.shape[1]
+    anc_blk = torch.zeros(B, 1 + N + E, 1 + N + E, dtype=torch.bool, device=dev)  # (B, Q, Q)
     anc_blk[:, :, 0] = True  # everyone sees the root
-    anc_blk[:, 1:, 1:] = anc
-    dep_blk = torch.cat([torch.zeros_like(dep[:, :1]), dep], dim=1)  # (B, 1+N)
+    anc_blk[:, 1:1 + N, 1:1 + N] = anc
+    dep_blk = torch.cat([dep.new_zeros(B, 1), dep], dim=1)  # (B, 1+N); the root at depth 0 (N may be 0)
     block = torch.cat([pending.unsqueeze(1), tok], dim=1)  # (B, 1+N)
-    logits = tgt.verify_tree(cache, block, anc_blk, dep_blk).logits  # (B, 1+N, V)
+    if E:
+        anc_blk[:, 1 + N:] = draft.aux.mask.to(dev)
+        dep_blk = torch.cat([dep_blk, draft.aux.depth.to(dev)], dim=1)  # (B, Q)
+        block = torch.cat([block, draft.aux.tokens.to(dev)], dim=1)  # (B, Q)
+    logits = tgt.verify_tree(cache, block, anc_blk, dep_blk).logits  # (B, Q, V)
+    if E:
+        observe = getattr(proposer, "observe", None)
+        if observe is not None:
+            observe(logits[:, 1 + N:])
+        logits = logits[:, :1 + N]  # (B, 1+N, V)
     if sampling.greedy:
         res = rejection.verify_tree_greedy(tok, par, logits, lengths=lengths)
     else:

@@ -17,6 +17,7 @@ Left out: exact multinomial tests, sequential (early-stopping) tests, G-tests.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -222,6 +223,7 @@ def _check_power_args(num_cells: int, alpha: float, power: float, probs):
     return None if probs is None else _as_probs(probs, int(num_cells))
 
 
+@functools.lru_cache(maxsize=4096)  # the oracle asks for the same (dof, alpha, power) many times
 def _noncentrality_for_power(dof: int, alpha: float, power: float) -> float:
     """lambda such that the level-alpha chi-square test with `dof` rejects ncx2(dof, lambda) with `power`."""
     from scipy import optimize, stats
@@ -247,7 +249,7 @@ def samples_for_tv(tv: float, num_cells: int, *, alpha: float = 1e-3, power: flo
     if not 0.0 < tv <= 0.5:
         raise ValueError(f"tv must be in (0, 0.5] (the noncentrality bound needs tv <= 1/2), got {tv}")
     p = _check_power_args(num_cells, alpha, power, probs)
-    lam = _noncentrality_for_power(int(num_cells) - 1, alpha, power)
+    lam = _noncentrality_for_power(int(num_cells) - 1, float(alpha), float(power))
     per = _noncentrality_per_sample(tv, p)
     return max(1, int(math.ceil(lam / per)))
 
@@ -259,7 +261,7 @@ def detectable_tv(n: int, num_cells: int, *, alpha: float = 1e-3, power: float =
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     p = _check_power_args(num_cells, alpha, power, probs)
-    lam = _noncentrality_for_power(int(num_cells) - 1, alpha, power)
+    lam = _noncentrality_for_power(int(num_cells) - 1, float(alpha), float(power))
     per_unit = _noncentrality_per_sample(1.0, p)  # noncentrality per sample is per_unit * tv^2
     return math.sqrt(lam / (n * per_unit)) if per_unit > 0 else math.inf
 

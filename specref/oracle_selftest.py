@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from .oracle_check import Case, Variant, check_rejection_sampler

@@ -54,10 +54,11 @@ class Draft:
     lengths: torch.Tensor  # (B,) long, 0..K
     q: Optional[torch.Tensor] = None  # (B, K, V) float or None
     parents: Optional[torch.Tensor] = None  # (B, N) long for a tree draft, None for a chain
+    aux: Optional["AuxBlock"] = None  # extra tokens scored in the same forward (lookahead), or None
 
     @property
     def is_tree(self) -> bool:
-        return self.parents is not None
+        return self.parents is not None or self.aux is not None
 
     @staticmethod
     def empty(batch: int, device: torch.device) -> "Draft":
@@ -65,6 +66,20 @@ class Draft:
             tokens=torch.full((batch, 0), -1, dtype=torch.long, device=device),  # (B, 0)
             lengths=torch.zeros(batch, dtype=torch.long, device=device),  # (B,)
         )
+
+
+@dataclass
+class AuxBlock:
+    """Tokens a proposer wants scored in the verification forward without being verified
+    (lookahead decoding's Jacobi window, Fu et al. 2024). They follow the draft in the block:
+    [root, node_0..node_{N-1}, aux_0..aux_{E-1}]; draft nodes never attend them; their K/V slots are
+    discarded after the step. The proposer receives their logits through `observe(aux_logits)`.
+    """
+
+    tokens: torch.Tensor  # (B, E) long
+    mask: torch.Tensor  # (B, E, 1+N+E) bool: aux i may attend block position j (the committed
+    # prefix is always visible; column 0 is the root, 1..N the draft nodes, 1+N+j aux j)
+    depth: torch.Tensor  # (B, E) long: position id = root position + depth
 
 
 @runtime_checkable
@@ -78,6 +93,9 @@ class Proposer(Protocol):
 
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         """Return the draft for the next step. q must be the distribution actually sampled from."""
+
+    # Optional: def observe(self, aux_logits: torch.Tensor) -> None, called after the verification
+    # forward with the (B, E, V) logits of Draft.aux, before update().
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         """Told after verification: ctx is the new committed context, num_accepted (B,) how many

@@ -11,7 +11,7 @@ from _stats import power_sample_size
 from specref import oracle
 from specref.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
-from specref.models import tiny_model
+from specref.models import perturbed_copy, tiny_model
 from specref.proposer import Draft
 from specref.sampling import SamplingConfig, logits_to_probs, sample
 
@@ -83,17 +83,18 @@ def test_tree_greedy_parity(shape):
 @pytest.mark.parametrize("shape,sampled", [("deep_chain", True), ("wide_fan", True), ("mixed", True),
                                            ("wide_fan", False), ("mixed", False)])
 def test_tree_whole_loop_lossless(shape, sampled):
-    """Joint of the first 2 tokens vs exact (V = 16, 256 cells), 40,000 rows: power >= 0.99 against
-    TV 0.02 at 1e-3 is asserted via samples_for_tv."""
-    V, L, n = 16, 2, 40_000
-    target = tiny_model("llama", vocab_size=V, seed=31, init_std=0.2, logit_scale=2.0)
-    draft = tiny_model("llama", vocab_size=V, seed=32, num_layers=1, init_std=0.2, logit_scale=2.0)
+    """Joint of the first 2 tokens vs exact (V = 16, 256 cells), 50,000 rows: power >= 0.99 against
+    TV 0.02 at 1e-3 (after pooling) is asserted."""
+    V, L, n = 16, 2, 50_000
+    target = tiny_model("llama", vocab_size=V, seed=31, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
+    draft = perturbed_copy(target, 0.3, seed=0)
     prompt = torch.tensor([1, 2, 3])
     s = SamplingConfig(0.9)
     exact = hf_joint_distribution(target, prompt, L, s).numpy()
     assert power_sample_size(exact, n) <= n
     out = speculative_generate(target, StatelessTreeProposer(draft, SHAPES[shape], sampled), prompt.expand(n, -1),
-                               max_new_tokens=L, temperature=0.9, seed=hash(shape) % 1000 + sampled)
+                               max_new_tokens=L, temperature=0.9,
+                               generator=torch.Generator().manual_seed(len(shape) * 10 + sampled))
     counts = oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L)
     assert oracle.chi_square_gof(counts, exact).p_value > ALPHA
     assert out.stats.num_accepted_tokens > 0.2 * n

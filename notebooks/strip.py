@@ -1,0 +1,64 @@
+"""Strip outputs from the stored notebooks (they are committed without outputs).
+
+    python notebooks/strip.py            # strip every notebooks/*.ipynb in place
+    python notebooks/strip.py --check    # exit 1 and list the notebooks that hold outputs
+
+Executed copies come from `python notebooks/run_all.py --out executed/` (not committed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+
+HERE = Path(__file__).resolve().parent
+
+
+def notebooks(folder: Path = HERE) -> list:
+    """The teaching notebooks, in order (01_... to 08_...)."""
+    return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+
+
+def has_outputs(nb) -> bool:
+    """True if any code cell holds outputs or an execution count (or the notebook run metadata)."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
+            return True
+        if "execution" in cell.get("metadata", {}):
+            return True
+    return False
+
+
+def strip(nb):
+    """Remove outputs, execution counts and per-cell execution metadata, in place; returns nb."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        cell.get("metadata", {}).pop("execution", None)
+    return nb
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="only report notebooks with outputs")
+    ap.add_argument("paths", nargs="*", type=Path, help="notebooks (default: notebooks/[0-9][0-9]_*.ipynb)")
+    args = ap.parse_args(argv)
+    paths = args.paths or notebooks()
+    dirty = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        if has_outputs(nb):
+            dirty.append(path)
+            if not args.check:
+                nbformat.write(strip(nb), path)
+    verb = "hold outputs" if args.check else "stripped"
+    for path in dirty:
+        print(f"{verb}: {path}")
+    return 1 if (args.check and dirty) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

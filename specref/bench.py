@@ -1,0 +1,506 @@
+"""`python -m specref bench`: every decoding method side by side on Spec-Bench, in one process.
+
+Spec-Bench (Xia et al. 2024, "Unlocking Efficiency in Large Language Model Inference: A
+Comprehensive Survey of Speculative Decoding") compares speculative methods on one machine, one
+model and one question set. Here: the first turn of each question through the model's chat
+template, every method on question i before any method on question i+1 (the order of methods
+rotates from question to question, so slow drift of the machine's load hits all of them alike),
+after one untimed warm-up call of each method. Methods:
+  ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
+  hf         transformers `model.generate`, greedy/sampled, dynamic cache
+  ngram      specref prompt lookup (NgramConfig(adaptive=True))
+  lookahead  specref lookahead decoding, when specref/lookahead.py exists
+  draft      specref draft model with the trained reduced-vocabulary draft, when its weights exist
+  hf_pld     transformers prompt lookup (`prompt_lookup_num_tokens=10`)
+  hf_assist  transformers assisted generation with the same trained draft as `assistant_model`;
+             its Vd-row LM head is wrapped to scatter into the full V (-inf outside the map)
+Numbers (Leviathan et al. 2023 notation): tokens/s (median over questions); speed-up = geometric
+mean over questions of tok/s(method) / tok/s(ar); tau = tokens emitted per target forward;
+acceptance per draft position (per depth for trees); alpha = accepted / reached at each position
+(the i.i.d. per-token rate); k = mean draft length of the steps that drafted; c = draft time per
+drafted position / one `ar` target forward; the closed form (1 - a^(k+1)) / ((1 - a)(1 + c k)),
+mixed with the fraction f of steps that drafted at all: ((1-f) + f E) / ((1-f) + f (1 + c k));
+v = the method's verify forward / one `ar` forward (what the closed form leaves out); peak memory
+(RSS high-water mark per call on CPU, torch.cuda.max_memory_allocated on CUDA); and whether the
+greedy output equals `ar` token for token. Reporting lives in bench_report.py.
+Left out: batch > 1, second turns, methods not yet in specref (Medusa, EAGLE, MTP join when they land).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .target import Target, TargetConfig
+
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "hf_pld", "hf_assist")
+QUESTION_REL = Path("shared") / "data" / "spec_bench" / "question.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Settings of one benchmark run."""
+
+    methods: tuple = ALL_METHODS  # which methods; "ar" is always run (it is the baseline)
+    categories: Optional[tuple] = None  # None: every category in the question file
+    questions: Optional[int] = 1  # first N questions per category in file order; None: all
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy (output identity is checked)
+    device: str = "cpu"
+    compile: bool = False  # specref target forwards under torch.compile (prefill stays eager)
+    dtype: str = "float32"  # model weights: float32 | bfloat16 | float16
+    question_file: Optional[str] = None  # None: $SPECREF_SPEC_BENCH, else found above the package
+    model: str = "default"  # "default" (SmolLM2-135M-Instruct), a local model folder, or "tiny" (tests)
+    draft_k: Optional[int] = None  # None: closed-form optimal k from the draft's alpha and measured c
+    lookahead: tuple = (7, 5, 7)  # lookahead's (W, N, G): Spec-Bench's setting
+    seed: int = 0
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------- questions
+
+
+def find_question_file(path: Optional[str] = None) -> Path:
+    """The Spec-Bench JSONL: `path`, else $SPECREF_SPEC_BENCH (a file or its folder), else the first
+    shared/data/spec_bench/question.jsonl found walking up from the package folder."""
+    cand = path or os.environ.get("SPECREF_SPEC_BENCH")
+    if cand:
+        p = Path(cand).expanduser()
+        p = p / "question.jsonl" if p.is_dir() else p
+        if not p.is_file():
+            raise ValueError(f"question file {str(p)!r} does not exist")
+        return p
+    for d in [Path(__file__).resolve().parent, *Path(__file__).resolve().parents]:
+        if (d / QUESTION_REL).is_file():
+            return d / QUESTION_REL
+    raise ValueError(f"no {QUESTION_REL} above {Path(__file__).resolve().parent}; pass --question-file "
+                     "or set SPECREF_SPEC_BENCH")
+
+
+def load_questions(path: Path, categories: Optional[tuple], per_category: Optional[int]) -> List[dict]:
+    """First `per_category` questions of each chosen category, in file order (reproducible)."""
+    import json
+
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    if categories:
+        bad = [c for c in categories if c not in known]
+        if bad:
+            raise ValueError(f"unknown categories {bad}; the question file has {known}")
+    seen: Dict[str, int] = {}
+    out = []
+    for r in rows:
+        c = r["category"]
+        if categories and c not in categories:
+            continue
+        if per_category is None or seen.get(c, 0) < per_category:
+            out.append(r)
+            seen[c] = seen.get(c, 0) + 1
+    return out
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _load_model(cfg: BenchConfig):
+    """(model, encode(text) -> token ids, eos id or None, note)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype {cfg.dtype!r} is not one of float32, bfloat16, float16")
+    if cfg.model == "tiny":  # test-only: a seeded random Llama and a byte "tokenizer"
+        from .models import tiny_model
+
+        V = 96
+        model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
+        return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
+    if cfg.model == "default":
+        from .models import load_default
+
+        model, tok = load_default(dtype=dtype, device=cfg.device)
+        name = "SmolLM2-135M-Instruct (embedded GGUF, dequantised)"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(cfg.model).is_dir():
+            raise ValueError(f"model {cfg.model!r} is not 'default', 'tiny' or a local model folder")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True)
+        model = model.to(cfg.device).eval()
+        tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+        name = cfg.model
+
+    def encode(text: str) -> List[int]:
+        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    eos = model.generation_config.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
+    return model, encode, (eos[0] if isinstance(eos, list) and len(eos) == 1 else eos), name
+
+
+def _trained_draft(cfg: BenchConfig, model):
+    """(draft, token_map, alpha or None) or raise ValueError/ImportError when there is none."""
+    if cfg.model == "tiny":  # an untrained reduced-vocabulary draft: exercises the code path only
+        from .trained_draft import build_draft
+
+        return build_draft(model, 1, torch.arange(0, model.config.vocab_size, 2)), \
+            torch.arange(0, model.config.vocab_size, 2, device=model.device), None
+    if cfg.model != "default":
+        raise ValueError("the trained draft belongs to the default model")
+    from .trained_draft import load_trained_draft, trained_draft_info
+
+    draft, token_map = load_trained_draft(model)
+    alpha = trained_draft_info().get("record", {}).get("heldout", {}).get("heldout_top1")
+    return draft, token_map, alpha
+
+
+class _FullVocabHead(torch.nn.Module):
+    """A reduced LM head (Vd rows) seen as a full one: logits scattered into V, -inf-like elsewhere,
+    so transformers' assisted generation can use a reduced-vocabulary draft as `assistant_model`."""
+
+    def __init__(self, head: torch.nn.Module, token_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head, self.vocab_size = head, vocab_size
+        self.register_buffer("token_map", token_map.long(), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        small = self.head(h)  # (B, T, Vd)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)  # (B, T, V)
+        return full.index_copy_(-1, self.token_map, small)  # (B, T, V)
+
+
+def _as_assistant(draft, token_map, vocab_size: int, k: int):
+    """A shallow copy of the draft whose head covers the full vocabulary (weights shared)."""
+    a = copy.copy(draft)
+    a._modules = dict(draft._modules)
+    a.lm_head = _FullVocabHead(draft.lm_head, token_map, vocab_size)
+    a.config = copy.deepcopy(draft.config)
+    a.config.vocab_size = vocab_size
+    a.generation_config = copy.deepcopy(draft.generation_config)
+    a.generation_config.num_assistant_tokens = k  # the same k as specref's draft method
+    a.generation_config.num_assistant_tokens_schedule = "constant"
+    return a
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+@dataclass
+class Method:
+    name: str
+    label: str
+    run: Callable  # (ids (1, T), max_len, seed) -> record dict
+    k: Optional[int] = None
+    specref: bool = True
+
+
+def _spec_record(out) -> dict:
+    s = out.stats
+    return dict(tokens=out.row(0), wall=s.wall_time, forwards=s.num_row_steps, drafts=s.num_drafts,
+                drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
+                acc_pos=list(s.accepted_per_position), drafted_pos=list(s.drafted_per_position),
+                draft_time=s.draft_time, verify_time=s.verify_time, prefill_time=s.prefill_time)
+
+
+def build_methods(cfg: BenchConfig, model, eos, target) -> tuple:
+    """(methods in run order, {skipped name: reason})."""
+    from .generate import autoregressive_generate, speculative_generate
+    from .ngram import NgramConfig, NgramProposer
+
+    N, T, dev = cfg.max_new_tokens, cfg.temperature, model.device
+    V = int(model.get_output_embeddings().weight.shape[0])
+    gen = dict(max_new_tokens=N, temperature=T, eos_token_id=eos)
+    methods: List[Method] = []
+    skipped: Dict[str, str] = {}
+    trained: dict = {}  # loaded once for "draft" and "hf_assist"
+
+    def spec(make_proposer):
+        return lambda ids, max_len, seed: _spec_record(
+            speculative_generate(target, make_proposer(), ids, seed=seed, max_len=max_len, **gen))
+
+    def hf(extra, counter):
+        def run(ids, max_len, seed):
+            torch.manual_seed(seed)
+            sample = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
+            hook = model.register_forward_hook(lambda *a: counter.__setitem__(0, counter[0] + 1))
+            counter[0] = 0
+            try:
+                t0 = time.perf_counter()
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                     eos_token_id=eos, pad_token_id=0 if eos is None else eos, **sample, **extra)
+                _sync(dev)
+                wall = time.perf_counter() - t0
+            finally:
+                hook.remove()
+            toks = seq[0, ids.shape[1]:].tolist()
+            if eos is not None and eos in toks:
+                toks = toks[: toks.index(eos) + 1]
+            return dict(tokens=toks, wall=wall, forwards=counter[0])
+        return run
+
+    for name in cfg.methods:
+        if name == "ar":
+            continue  # always first, added below
+        if name == "hf":
+            methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
+        elif name == "ngram":
+            ng = NgramConfig(adaptive=True)
+            methods.append(Method("ngram", "specref n-gram (adaptive)", spec(lambda: NgramProposer(ng)), k=ng.k))
+        elif name == "lookahead":
+            try:
+                from .lookahead import LookaheadConfig, LookaheadProposer
+            except ImportError as e:
+                skipped[name] = f"specref.lookahead not importable ({e})"
+                continue
+            W, Nn, G = cfg.lookahead
+            la = LookaheadConfig(W=W, N=Nn, G=G)
+            methods.append(Method("lookahead", f"specref lookahead (W {W}, N {Nn}, G {G})",
+                                  spec(lambda: LookaheadProposer(la)), k=LookaheadProposer(la).k))
+        elif name in ("draft", "hf_assist"):
+            try:
+                if not trained:
+                    draft, token_map, alpha = _trained_draft(cfg, model)
+                    trained.update(draft=draft, token_map=token_map,
+                                   k=cfg.draft_k or _draft_k(target, draft, alpha))
+            except (ImportError, ValueError, FileNotFoundError) as e:
+                skipped[name] = f"no trained draft ({e})"
+                continue
+            draft, token_map, k = trained["draft"], trained["token_map"], trained["k"]
+            if name == "draft":
+                from .draft_model import DraftModelConfig, DraftModelProposer
+
+                dk = DraftModelConfig(k=k)
+                methods.append(Method("draft", f"specref trained draft (k={k})", spec(
+                    lambda: DraftModelProposer(draft, dk, token_map=token_map, vocab_size=V)), k=k))
+            else:
+                assistant = _as_assistant(draft, token_map, V, k)
+                methods.append(Method("hf_assist", f"transformers assisted, trained draft (k={k})",
+                                      hf({"assistant_model": assistant}, [0]), k=k, specref=False))
+        elif name == "hf_pld":
+            methods.append(Method("hf_pld", "transformers prompt lookup (10)",
+                                  hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed: _spec_record(
+        autoregressive_generate(target, ids, seed=seed, max_len=max_len, **gen)))
+    return [base] + methods, skipped
+
+
+def _draft_k(target, draft, alpha) -> int:
+    """k from the closed form (theory.optimal_k) with the draft's held-out alpha and measured c."""
+    from .draft_eval import measure_cost
+    from .theory import optimal_k
+
+    if alpha is None:
+        return 4
+    return optimal_k(float(alpha), measure_cost(target, draft)["c"], k_max=10)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _reset_peak(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return
+    try:  # Linux: "5" resets this process's RSS high-water mark (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_mb(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**20
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource  # process-wide maximum: cannot be reset per method
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _machine(dev: torch.device) -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(platform=platform.platform(), cpu=cpu, cores=os.cpu_count(), threads=torch.get_num_threads(),
+                gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                python=platform.python_version(), torch=torch.__version__,
+                transformers=transformers.__version__,
+                load_avg_start=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+
+
+def run_bench(cfg: BenchConfig, command: str = "") -> dict:
+    """Run every method on every chosen question; returns the JSON-able result (see bench_report)."""
+    from tqdm.auto import tqdm
+
+    from .bench_report import summarize
+
+    t_start = time.perf_counter()
+    qfile = find_question_file(cfg.question_file)
+    questions = load_questions(qfile, cfg.categories, cfg.questions)
+    if not questions:
+        raise ValueError(f"no questions selected from {qfile}")
+    model, encode, eos, model_name = _load_model(cfg)
+    dev = model.device
+    if cfg.compile:
+        import torch._dynamo as dynamo
+
+        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(256, getattr(dynamo.config, knob)))
+    target = _EagerPrefillTarget(model, TargetConfig(compile=cfg.compile))
+    methods, skipped = build_methods(cfg, model, eos, target)
+    prompts = [torch.tensor([encode(q["turns"][0])], device=dev) for q in questions]  # (1, T) each
+    slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
+    fixed = _bucket(max(p.shape[1] for p in prompts) + slack) if cfg.compile else None
+
+    warm = torch.tensor([encode("Hello! Tell me a little about yourself.")], device=dev)  # (1, T)
+    for m in tqdm(methods, desc="warm-up", disable=not cfg.progress):
+        m.run(warm, fixed or _bucket(warm.shape[1] + slack), cfg.seed)
+
+    records: Dict[str, List[dict]] = {m.name: [] for m in methods}
+    bar = tqdm(total=len(questions) * len(methods), desc="spec-bench", disable=not cfg.progress)
+    for i, (q, ids) in enumerate(zip(questions, prompts)):
+        max_len = fixed or _bucket(ids.shape[1] + slack)  # the same cache size for every method
+        r = i % len(methods)
+        for m in methods[r:] + methods[:r]:
+            bar.set_postfix_str(f"{q['category']} #{q['question_id']} {m.name}")
+            _reset_peak(dev)
+            rec = m.run(ids, max_len, cfg.seed + i)
+            rec.update(question_id=q["question_id"], category=q["category"], prompt_tokens=ids.shape[1],
+                       n=len(rec["tokens"]), peak_mb=_peak_mb(dev))
+            records[m.name].append(rec)
+            bar.update(1)
+    bar.close()
+    for m in methods:  # greedy identity with the baseline, token for token
+        for rec, base in zip(records[m.name], records["ar"]):
+            rec["identical"] = (rec["tokens"] == base["tokens"]) if cfg.temperature == 0 else None
+    meta = dict(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), model=model_name,
+                question_file=str(qfile), config={**asdict(cfg), "question_file": str(qfile)},
+                skipped=skipped, num_questions=len(questions), machine=_machine(dev),
+                labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},
+                ks={m.name: m.k for m in methods}, cache="fixed" if fixed else "per question, 128-slot buckets")
+    meta["machine"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    meta["duration_s"] = time.perf_counter() - t_start
+    return dict(meta=meta, summary=summarize(records, [m.name for m in methods]), records=records)
+
+
+def _bucket(n: int, step: int = 128) -> int:
+    return int(math.ceil(n / step) * step)
+
+
+class _EagerPrefillTarget(Target):
+    """Target whose prefill runs eagerly: under compile(dynamic=False) every new prompt length
+    would otherwise recompile the whole model inside the timed region."""
+
+    def prefill(self, cache, tokens, lengths):
+        fwd, self._forward = self._forward, self._eager_forward
+        try:
+            return super().prefill(cache, tokens, lengths)
+        finally:
+            self._forward = fwd
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _split(values: Optional[List[str]]) -> Optional[tuple]:
+    if not values:
+        return None
+    return tuple(v for item in values for v in item.split(",") if v)
+
+
+def bench_main(argv=None) -> int:
+    """Entry point of `python -m specref bench`. Returns 0, or 1 when a specref method's greedy
+    output differed from the baseline (a bug)."""
+    from .bench_report import write_outputs
+
+    ap = argparse.ArgumentParser(prog="python -m specref bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=None, help=f"any of {', '.join(ALL_METHODS)} (default all)")
+    ap.add_argument("--categories", nargs="+", default=None, help="default: every category")
+    ap.add_argument("--questions", default="1", help="questions per category (first N in file order), or 'all'")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--compile", action="store_true", help="specref target forwards under torch.compile")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--question-file", default=None, help="Spec-Bench-format JSONL (default: found)")
+    ap.add_argument("--model", default="default", help="'default' or a local model folder")
+    ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft "
+                    "(default: closed-form optimum)")
+    ap.add_argument("--lookahead", default="7,5,7", help="lookahead's W,N,G (default: Spec-Bench's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "benchmarks"), help="folder for bench.json and bench.png")
+    ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"),
+                    help="Markdown file whose bench section is replaced ('none': skip)")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+    if a.questions == "all":
+        per = None
+    elif a.questions.isdigit() and int(a.questions) > 0:
+        per = int(a.questions)
+    else:
+        raise ValueError(f"--questions must be a positive int or 'all', got {a.questions!r}")
+    if a.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {a.temperature}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    methods = _split(a.methods) or ALL_METHODS
+    bad = [m for m in methods if m not in ALL_METHODS]
+    if bad:
+        raise ValueError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
+    try:
+        look = tuple(int(x) for x in a.lookahead.split(","))
+        assert len(look) == 3
+    except (ValueError, AssertionError):
+        raise ValueError(f"--lookahead must be three ints W,N,G, got {a.lookahead!r}") from None
+    cfg = BenchConfig(methods=methods, lookahead=look, categories=_split(a.categories), questions=per,
+                      max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
+                      compile=a.compile, dtype=a.dtype, question_file=a.question_file, model=a.model,
+                      draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress)
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = args[1:] if args[:1] == ["bench"] else args
+    command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)
+    with torch.inference_mode():
+        result = run_bench(cfg, command.strip())
+    md = None if a.markdown == "none" else Path(a.markdown)
+    paths = write_outputs(result, Path(a.out), md)
+    print("\n" + paths["table"])
+    print("\nwrote " + ", ".join(str(p) for k, p in paths.items() if k != "table"))
+    bad = [name for name, s in result["summary"].items()
+           if result["meta"]["specref"].get(name) and s["overall"]["identical"] is False]
+    if bad:
+        print(f"greedy output differs from the baseline for specref methods {bad}", file=sys.stderr)
+    return 1 if bad else 0

@@ -1,0 +1,86 @@
+"""The benchmark end to end on a tiny random model and a tiny Spec-Bench-format question file.
+
+No timing is asserted (speed never goes into a test): only that every output is produced, the
+numbers are consistent with each other, the BENCHMARKS.md splice keeps other sections, and the
+specref greedy methods reproduce the baseline token for token.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specref.bench import bench_main, find_question_file, load_questions
+from specref.bench_report import END, START, splice
+
+QUESTIONS = [  # Spec-Bench format: question_id, category, turns (only the first turn is used)
+    {"question_id": 2, "category": "writing", "turns": ["Write a short poem about the sea.", "Again."]},
+    {"question_id": 4, "category": "writing", "turns": ["Describe a marketplace."]},
+    {"question_id": 6, "category": "summarization", "turns": ["Summarize: the cat sat on the mat. "
+                                                               "The cat sat on the mat again."]},
+    {"question_id": 8, "category": "coding", "turns": ["def f(x): return x + 1  # explain f"]},
+]
+OTHER = "## Trained draft (issue 4)\n\nnumbers of another engineer\n"
+
+
+@pytest.fixture
+def qfile(tmp_path):
+    p = tmp_path / "question.jsonl"
+    p.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS), encoding="utf-8")
+    return p
+
+
+def test_question_selection(qfile, monkeypatch):
+    rows = load_questions(qfile, None, 1)  # the first question of each category, in file order
+    assert [r["question_id"] for r in rows] == [2, 6, 8]
+    rows = load_questions(qfile, ("writing",), None)  # all of one category
+    assert [r["question_id"] for r in rows] == [2, 4]
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_questions(qfile, ("poetry",), 1)
+    monkeypatch.setenv("SPECREF_SPEC_BENCH", str(qfile.parent))  # a folder holding question.jsonl
+    assert find_question_file() == qfile
+
+
+def test_splice_keeps_other_sections(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n" + OTHER, encoding="utf-8")
+    splice(md, f"{START}\nfirst\n{END}")  # appended after the other section
+    splice(md, f"{START}\nsecond\n{END}")  # replaced in place
+    text = md.read_text()
+    assert OTHER in text and "second" in text and "first" not in text
+    assert text.count(START) == 1 and text.count(END) == 1
+
+
+def test_bench_end_to_end(qfile, tmp_path):
+    out, md = tmp_path / "out", tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n" + OTHER, encoding="utf-8")
+    rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "1",
+                     "--max-new-tokens", "24", "--out", str(out), "--markdown", str(md), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert OTHER in text and START in text and END in text and "bench.png" in text
+    summ = res["summary"]
+    # every method of the tiny setup ran (lookahead only once specref.lookahead exists)
+    expected = {"ar", "hf", "ngram", "draft", "hf_pld", "hf_assist"}
+    assert expected <= set(summ) and set(summ) | set(res["meta"]["skipped"]) == {
+        "ar", "hf", "ngram", "lookahead", "draft", "hf_pld", "hf_assist"}
+    assert set(summ["ar"]["per_category"]) == {"writing", "summarization", "coding"}
+    for name, s in summ.items():
+        recs = res["records"][name]
+        assert len(recs) == 3 and all(r["n"] == len(r["tokens"]) for r in recs)
+        assert s["overall"]["tokens"] == sum(r["n"] for r in recs)
+        assert s["overall"]["tau"] >= 1.0 - 1e-9  # every forward emits at least one token
+        if res["meta"]["specref"][name]:  # specref greedy methods reproduce the baseline exactly
+            assert s["overall"]["identical"] is True, name
+    assert summ["ar"]["overall"]["identical"] is True and summ["ar"]["overall"]["tau"] == 1.0
+    assert summ["draft"]["overall"]["alpha"] is not None and summ["draft"]["overall"]["k"] > 0
+    assert all(0.0 <= a <= 1.0 for a in summ["ngram"]["overall"]["acceptance_per_position"] or [])
+
+
+def test_bad_arguments(qfile):
+    with pytest.raises(ValueError, match="unknown methods"):
+        bench_main(["--model", "tiny", "--question-file", str(qfile), "--methods", "medusa9"])
+    with pytest.raises(ValueError, match="--questions"):
+        bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "zero"])

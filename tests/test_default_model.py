@@ -1,0 +1,65 @@
+"""Greedy parity on the embedded default model (SmolLM2-135M-Instruct), float32.
+
+speculative_generate == autoregressive_generate == HF generate(do_sample=False), batch 1 and 4 with
+prompts of different lengths, k in {1, 4, 8}, a draft model (the target's first 2 layers: mostly
+rejected) and the target itself as draft (always accepted: exercises full accepts).
+"""
+import pytest
+import torch
+
+from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
+from specref.generate import autoregressive_generate, speculative_generate
+from specref.models import load_default
+from specref.ngram import NgramConfig, NgramProposer
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+    "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+]
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def default():
+    model, tok = load_default()
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                     tokenize=False) for p in PROMPTS]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    ar = autoregressive_generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW, temperature=0)
+    return model, tok, enc, ar
+
+
+def test_autoregressive_equals_hf_generate(default):
+    model, tok, enc, ar = default
+    hf = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=N_NEW,
+                        min_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(ar.tokens, hf[:, enc.input_ids.shape[1]:])
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_draft_model_greedy_parity(default, k):
+    model, tok, enc, ar = default
+    draft = truncated_draft(model, 2)
+    out = speculative_generate(model, DraftModelProposer(draft, DraftModelConfig(k=k)), enc.input_ids,
+                               enc.attention_mask, max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    # batch 1: the shortest prompt alone
+    row = enc.input_ids[0][enc.attention_mask[0].bool()]
+    one = speculative_generate(model, DraftModelProposer(draft, DraftModelConfig(k=k)), row,
+                               max_new_tokens=N_NEW, temperature=0)
+    assert one.row(0) == ar.row(0)
+
+
+def test_self_draft_and_ngram_parity(default):
+    model, tok, enc, ar = default
+    full = speculative_generate(model, DraftModelProposer(model, DraftModelConfig(k=4)), enc.input_ids,
+                                enc.attention_mask, max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(full.tokens, ar.tokens)
+    assert full.stats.acceptance_rate == 1.0
+    ng = speculative_generate(model, NgramProposer(NgramConfig(k=4)), enc.input_ids, enc.attention_mask,
+                              max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(ng.tokens, ar.tokens)
+    assert ng.stats.num_accepted_tokens > 0  # the repetition prompt is copied
