@@ -1,9 +1,11 @@
-"""`python -m specref demo | generate | oracle`: the command-line entry points.
+"""`python -m specref demo | generate | oracle | bench | train`: the command-line entry points.
 
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
            sampled, with the speed-up over autoregressive_generate measured in the same run.
 generate - one prompt through any local model folder or GGUF file, with a chosen proposer.
 oracle   - check a rejection sampler for losslessness (see oracle_check.py).
+bench    - every method side by side on Spec-Bench prompts (bench.py, writes BENCHMARKS.md).
+train    - self-distilled data and draft training (train.py).
 """
 from __future__ import annotations
 
@@ -99,13 +101,13 @@ def generate_cmd(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .generate import speculative_generate
-    from .models import load_default
+    from .models import load_default, load_gguf
 
-    if args.model:
-        kw = {"gguf_file": os.path.basename(args.model)} if args.model.endswith(".gguf") else {}
-        folder = os.path.dirname(args.model) if kw else args.model
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kw).eval()
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+    if args.model and args.model.endswith(".gguf"):
+        model, tok = load_gguf(args.model)
+    elif args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     else:
         model, tok = load_default()
     ids = _chat_ids(tok, args.prompt)
@@ -119,10 +121,14 @@ def generate_cmd(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "oracle":  # its own parser (argparse.REMAINDER drops --options)
-        from .oracle_check import oracle_main
-
-        return oracle_main(argv[1:])
+    if argv and argv[0] in ("oracle", "bench", "train"):  # subcommands with their own parsers
+        if argv[0] == "oracle":
+            from .oracle_check import oracle_main as sub_main
+        elif argv[0] == "bench":
+            from .bench import bench_main as sub_main
+        else:
+            from .train import train_main as sub_main
+        return sub_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m specref", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,6 +149,8 @@ def main(argv=None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("oracle", help="check a rejection sampler: python -m specref oracle --help")
+    sub.add_parser("bench", help="benchmark every method: python -m specref bench --help")
+    sub.add_parser("train", help="self-distillation and draft training: python -m specref train --help")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         return demo(args)

@@ -89,7 +89,7 @@ class DraftModelProposer:
         j = torch.arange(W, device=dev)  # (W,)
         idx = (self.done.view(B, 1) + j).clamp(max=ctx.tokens.shape[1] - 1)  # (B, W)
         block = ctx.tokens.gather(1, idx)  # (B, W)
-        logits = self.lm.verify_chain(self.cache, block).logits  # (B, W, V)
+        logits = self.lm.verify_chain(self.cache, block, pad_to=2).logits  # (B, W, V)
         self.cache.commit(todo)
         last = logits[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, V)
         tokens, qs = [], []

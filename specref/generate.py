@@ -174,8 +174,8 @@ def speculative_generate(
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     T_ctx = int(prompt_len.max()) + max_new_tokens + max(k, 1) + 1
     need = T_ctx
-    if max_len is None:
-        max_len = need
+    if max_len is None:  # compiled graphs are specialised on the cache size: round it up
+        max_len = -(-need // 256) * 256 if tgt.config.compile else need
     if max_len < need:
         raise ValueError(f"max_len {max_len} is too small: the longest prompt ({int(prompt_len.max())} "
                          f"tokens) + max_new_tokens ({max_new_tokens}) + k + 1 needs {need}")
@@ -216,7 +216,7 @@ def speculative_generate(
                                                                    sampling, generator, proposer)
         else:
             lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
-            emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator)
+            emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k)
             path, depth_of = None, None
         W = emitted.shape[1]  # K+1 (chain) or D+1 (tree)
         num_emit = torch.minimum(n_acc + 1, budget + 1) * ctx.active  # (B,)
@@ -275,7 +275,7 @@ def speculative_generate(
     return GenerationOutput(out_tokens, n_new, stats)
 
 
-def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator):
+def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k_max):
     """Score [pending, draft chain] in one forward and run the rejection step. -> (B, K+1), (B,)"""
     B, dev = pending.shape[0], pending.device
     K = int(lengths.max()) if B else 0
@@ -283,7 +283,7 @@ def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator):
     d_tok = draft.tokens[:, :K].to(dev)  # (B, K)
     d_tok = torch.where(pos.view(1, K) < lengths.view(B, 1), d_tok, torch.full_like(d_tok, -1))  # (B, K)
     block = torch.cat([pending.unsqueeze(1), d_tok], dim=1)  # (B, K+1)
-    logits = tgt.verify_chain(cache, block).logits  # (B, K+1, V)
+    logits = tgt.verify_chain(cache, block, pad_to=k_max + 1).logits  # (B, K+1, V)
     if sampling.greedy:
         res = rejection.verify_chain_greedy(d_tok, logits, lengths=lengths)
     else:

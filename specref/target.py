@@ -31,7 +31,8 @@ from .kv_rollback import SpecCache
 class TargetConfig:
     """Settings of the target wrapper."""
 
-    compile: bool = False  # run the verify forward under torch.compile with static shapes
+    compile: bool = False  # run verify forwards under torch.compile (prefill stays eager); chain
+    # blocks are padded to a fixed width (generate.py: k+1) so one graph serves every step
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
 
@@ -132,22 +133,31 @@ class Target:
         S = cache.max_len
         ar = torch.arange(S, device=tokens.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, T, S) causal over own row
-        out = self.forward_block(cache, tokens.clamp(min=0), slots, allowed, slots=slots)
+        cache.set_block_slots(slots)
+        out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype))
         cache.commit(lengths)
         return out
 
-    def verify_chain(self, cache: SpecCache, block: torch.Tensor) -> BlockOutput:
+    def verify_chain(self, cache: SpecCache, block: torch.Tensor, pad_to: Optional[int] = None) -> BlockOutput:
         """Score block (B, Q) = [last committed token, draft_1..draft_{Q-1}] (-1 padding allowed).
 
         Returns logits (B, Q, V): row i is the target's next-token logits after block[:, :i+1].
-        The caller then commits 1 + accepted slots per row.
+        The caller then commits 1 + accepted slots per row. With compile=True the block is padded to
+        `pad_to` columns (static shapes: one compiled graph per width); the padding's logits are
+        dropped and its slots stay beyond the committed length.
         """
         Q = block.shape[1]
-        slots = cache.begin_block(Q)  # (B, Q) == position ids
+        if self.config.compile and pad_to is not None and pad_to > Q:
+            block = torch.cat([block, block.new_zeros(block.shape[0], pad_to - Q)], dim=1)  # (B, pad_to)
+        W = block.shape[1]
+        slots = cache.begin_block(W)  # (B, W) == position ids
         S = cache.max_len
         ar = torch.arange(S, device=block.device)  # (S,)
-        allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S)
-        return self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots)
+        allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
+        out = self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots)
+        if W != Q:
+            out = BlockOutput(out.logits[:, :Q], None if out.hidden is None else out.hidden[:, :Q])
+        return out
 
     def verify_tree(self, cache: SpecCache, block: torch.Tensor, ancestors: torch.Tensor,
                     depth: torch.Tensor) -> BlockOutput:

@@ -1,0 +1,54 @@
+"""Target wrapper: torch.compile parity and graph reuse, architectures, unsupported models."""
+import pytest
+import torch
+
+from specref.draft_model import DraftModelConfig, DraftModelProposer
+from specref.generate import autoregressive_generate, speculative_generate
+from specref.models import tiny_model
+from specref.target import Target, TargetConfig
+
+
+def test_compile_matches_eager_and_reuses_one_graph():
+    """compile=True: identical greedy tokens; calls with other prompt lengths reuse the graph
+    (blocks padded to k+1, cache size rounded up)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = tiny_model("llama", vocab_size=64, seed=1)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    tc = Target(m, TargetConfig(compile=True))
+    for cut in (9, 6):
+        ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=10, temperature=0)
+        out = speculative_generate(tc, DraftModelProposer(m, DraftModelConfig(k=3)), ids[:, :cut],
+                                   max_new_tokens=10, temperature=0)
+        assert torch.equal(out.tokens, ref.tokens)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma", "phi3", "olmo", "granite", "smollm3",
+                                  "starcoder2", "gpt_neox", "gpt2"])
+def test_more_architectures_greedy_parity(arch):
+    """Decoder-only architectures beyond Llama/Qwen2 (tested in test_generate.py)."""
+    m = tiny_model(arch, vocab_size=64, seed=3)
+    d = tiny_model(arch, vocab_size=64, seed=4, num_layers=1)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                     do_sample=False, pad_token_id=0)[:, 7:]
+    ar = autoregressive_generate(m, ids, mask, max_new_tokens=8, temperature=0)
+    sp = speculative_generate(m, DraftModelProposer(d, DraftModelConfig(k=3)), ids, mask,
+                              max_new_tokens=8, temperature=0)
+    assert torch.equal(ar.tokens, ref)
+    assert torch.equal(sp.tokens, ref)
+
+
+def test_unsupported_models_raise():
+    with pytest.raises(ValueError, match="sliding"):
+        Target(tiny_model("gemma3_text", vocab_size=64))
+    with pytest.raises(ValueError, match="causal"):
+        Target(torch.nn.Linear(2, 2))
+    m = tiny_model("llama", vocab_size=64)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Target(m).new_cache(1, 10_000)
