@@ -10,7 +10,9 @@ from .draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
 from .generate import GenerationOutput, GenerationStats, NullProposer, autoregressive_generate, speculative_generate
 from .kv_rollback import SpecCache
 from .ngram import NgramConfig, NgramProposer, propose_ngram
-from .oracle import chi_square_gof, chi_square_two_sample, detectable_tv, samples_for_tv, tv_distance
+from .oracle import chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance
+from .oracle_check import Report, check_rejection_sampler
+from .oracle_generator import check_generator
 from .proposer import Context, Draft, Proposer
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
@@ -28,7 +30,7 @@ def load_default(*args, **kwargs):
 
 
 __all__ = [
-    "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "GREEDY",
+    "ChainResult", "Context", "Report", "check_generator", "check_rejection_sampler", "joint_index", "Draft", "DraftModelConfig", "DraftModelProposer", "GREEDY",
     "GenerationOutput", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
     "SamplingConfig", "SpecCache", "Target", "TargetConfig", "TreeResult", "autoregressive_generate",
     "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "load_default",
