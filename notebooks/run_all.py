@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ SMALL_ENV = "SPECREF_NB_SMALL"  # "1": every notebook runs its reduced sizes
 
 
 def run_notebook(path: Path, *, small: bool, timeout: int = 1800, out: Path = None):
-    """Execute one notebook in a fresh python3 kernel; returns (executed notebook, seconds).
+    """Execute one notebook in a fresh python3 kernel; returns (executed notebook, wall seconds,
+    CPU seconds of the kernel process, which a loaded machine does not inflate as much).
 
     Raises nbclient's CellExecutionError (with the failing cell's traceback) on any error."""
     from nbclient import NotebookClient
@@ -33,6 +35,7 @@ def run_notebook(path: Path, *, small: bool, timeout: int = 1800, out: Path = No
     saved = os.environ.get(SMALL_ENV)
     os.environ[SMALL_ENV] = "1" if small else "0"  # the kernel inherits this process's environment
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         NotebookClient(nb, kernel_name="python3", timeout=timeout,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
@@ -42,10 +45,12 @@ def run_notebook(path: Path, *, small: bool, timeout: int = 1800, out: Path = No
         else:
             os.environ[SMALL_ENV] = saved
     seconds = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the kernel has exited: its usage is counted
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out / path.name)
-    return nb, seconds
+    return nb, seconds, cpu
 
 
 def main(argv=None) -> int:
@@ -61,12 +66,13 @@ def main(argv=None) -> int:
     if not paths:
         print("no notebook matched", args.only, file=sys.stderr)
         return 2
-    total = 0.0
+    total = total_cpu = 0.0
     for path in paths:
-        _, seconds = run_notebook(path, small=args.small, timeout=args.timeout, out=args.out)
+        _, seconds, cpu = run_notebook(path, small=args.small, timeout=args.timeout, out=args.out)
         total += seconds
-        print(f"{path.name}: {seconds:.1f} s", flush=True)
-    print(f"all {len(paths)}: {total:.1f} s ({'reduced' if args.small else 'full'} sizes)")
+        total_cpu += cpu
+        print(f"{path.name}: {seconds:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+    print(f"all {len(paths)}: {total:.1f} s wall, {total_cpu:.1f} s CPU ({'reduced' if args.small else 'full'} sizes)")
     return 0
 
 

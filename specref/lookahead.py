@@ -11,11 +11,11 @@ Decoding" (ICML 2024, Sec. 3). No draft model: every target forward does three t
   (g0[j], g1[j], .., g_{N-2}[j], new[j]) at positions root+j .. root+j+N-1, is an n-gram; the pool
   keeps at most G n-grams per first token, the most recently seen (as the official code's LRU).
 - Verification branch (Sec. 3.2): the (up to G) pool n-grams whose first token equals the root;
-  their N-1 continuation tokens are the draft, merged into a token tree (tree.tree_from_sequences:
-  common prefixes become one path), q = None (deterministic). Greedy verification takes the longest
-  path of target argmaxes (exact); sampling uses recursive rejection over the distinct children at
-  each depth (rejection.verify_tree; the paper's Sec. 3.2 sampling rule), lossless for any
-  deterministic candidates.
+  their N-1 continuation tokens are the draft, merged into a token tree (common prefixes become
+  one path; the trees of tree.tree_from_sequences, built vectorised), q = None (deterministic).
+  Greedy verification takes the longest path of target argmaxes (exact); sampling uses recursive
+  rejection over the distinct children at each depth (rejection.verify_tree; the paper's sampling
+  verification, after SpecInfer), lossless for any deterministic candidates.
 - One forward, the paper's mask (Sec. 3.3, Fig. 2b): block [root, tree nodes, window]. Window token
   (l, j) attends the committed prefix, the level-0 tokens of columns 0..j (root included) and the
   level 1..l tokens of its own column j: the sequence root, g0[1..j], g1[j], .., gl[j] at
@@ -30,8 +30,9 @@ deterministic candidates losslessly. The window starts with tokens drawn uniform
 (the official code's default), using the call's generator(s) (sampling.uniforms, so with one
 generator per row a row's draws are its own). n-grams are pooled once levels 1..N-2 are all Jacobi
 outputs (from step N-1 on). `pool_from_prompt` (official POOL_FROM_PROMPT, off in the paper) also
-pools every n-gram of the prompt and of the committed output. The pool is a Python dict per row
-(a hash map; B*W insertions per step); the window, its mask and positions are tensors over rows.
+pools every n-gram of the prompt and of the committed output. Everything is a tensor over rows:
+the pool is dense over first tokens (B x V x G x (N-1) int32: 5.5 MB per row for V 49152, G 7,
+N 5), the only Python loops run over W, N and the prompt's positions.
 In shape comments here N is the paper's n-gram size; M counts tree nodes, E window tokens.
 
 Left out: the official fill phase (its window grows level by level over the first N-2 steps; here
@@ -41,15 +42,13 @@ kernel, and the official code's replacement of EOS guesses in the window.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .proposer import AuxBlock, Context, Draft, Generators
 from .sampling import SamplingConfig, uniforms
-from .tree import tree_from_sequences
-
-Pool = Dict[int, List[Tuple[int, ...]]]  # first token -> continuations, oldest first
+from .tree import Tree
 
 
 @dataclass(frozen=True)
@@ -90,21 +89,76 @@ def window_pattern(W: int, N: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return allowed[1:], (lev + col)[1:]  # (E, F), (E,)
 
 
-def remember(pool: Pool, key: int, cont: Tuple[int, ...], G: int) -> None:
-    """Put an n-gram into a row's pool: most recent last, at most G per key (LRU)."""
-    lst = pool.setdefault(key, [])
-    if cont in lst:
-        lst.remove(cont)
-    elif len(lst) >= G:
-        del lst[0]
-    lst.append(cont)
+class NgramPool:
+    """At most G n-grams per first token and row, the most recently seen kept (the official LRU).
+
+    Dense tensors over (row, first token, slot): tokens (B, V, G, N-1) int32, stamps (B, V, G) of a
+    clock (0 = empty). Inserting refreshes an equal n-gram's stamp, else fills an empty slot, else
+    replaces the oldest. The key axis grows on demand (the vocabulary is learnt from the logits).
+    """
+
+    def __init__(self, batch: int, keys: int, G: int, D: int, device: torch.device):
+        self.tokens = torch.zeros(batch, keys, G, D, dtype=torch.int32, device=device)  # (B, V, G, N-1)
+        self.stamps = torch.zeros(batch, keys, G, dtype=torch.int32, device=device)  # (B, V, G)
+        self.clock = 0
+
+    def grow(self, keys: int) -> None:
+        B, V, G, D = self.tokens.shape
+        if keys > V:
+            self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(B, keys - V, G, D)], 1)  # (B, V', G, D)
+            self.stamps = torch.cat([self.stamps, self.stamps.new_zeros(B, keys - V, G)], 1)  # (B, V', G)
+
+    def insert(self, rows: torch.Tensor, key: torch.Tensor, cont: torch.Tensor) -> None:
+        """For the rows where rows (B,) is True, put n-gram (key (B,), cont (B, N-1)) in the pool."""
+        self.grow(int(key.max()) + 1 if key.numel() else 0)
+        ar = torch.arange(key.shape[0], device=key.device)  # (B,)
+        old, st = self.tokens[ar, key], self.stamps[ar, key]  # (B, G, N-1), (B, G)
+        same = (old == cont[:, None].to(old)).all(-1) & (st > 0)  # (B, G)
+        slot = torch.where(same.any(1), same.int().argmax(1), st.argmin(1))  # (B,) empty first, else oldest
+        self.clock += 1
+        r = ar[rows]  # (R,)
+        self.tokens[r, key[r], slot[r]] = cont[r].to(old)
+        self.stamps[r, key[r], slot[r]] = self.clock
+
+    def lookup(self, key: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The n-grams starting with key (B,), most recent first: (B, G, N-1) long, valid (B, G)."""
+        ar = torch.arange(key.shape[0], device=key.device)  # (B,)
+        st, order = self.stamps[ar, key].sort(dim=1, descending=True, stable=True)  # (B, G)
+        cand = self.tokens[ar, key].gather(1, order[..., None].expand(-1, -1, self.tokens.shape[3]))
+        return cand.long(), st > 0  # (B, G, N-1), (B, G)
+
+
+def merge_candidates(cand: torch.Tensor, valid: torch.Tensor) -> Tree:
+    """Merge candidate continuations (B, G, D), valid (B, G), into token trees sharing prefixes.
+
+    The same trees as tree.tree_from_sequences (nodes numbered in order of first appearance,
+    candidates in order, each from its first token), vectorised over rows: node (g, d) is new iff
+    no earlier valid candidate has the same first d+1 tokens. Returns Tree((B, M), (B, M), (B,)).
+    """
+    B, G, D = cand.shape
+    dev = cand.device
+    both = valid[:, :, None] & valid[:, None, :]  # (B, G, G)
+    same = (cand[:, :, None] == cand[:, None]).long().cumprod(-1).bool() & both[..., None]  # (B, G, G', D)
+    same &= torch.ones(G, G, dtype=torch.bool, device=dev).tril()[None, :, :, None]  # g' <= g
+    rep = same.int().argmax(2)  # (B, G, D) the first candidate with the same prefix
+    created = valid[..., None] & (rep == torch.arange(G, device=dev)[None, :, None])  # (B, G, D)
+    node_id = created.view(B, G * D).long().cumsum(1).view(B, G, D) - 1  # (B, G, D) for created nodes
+    own = node_id.gather(1, rep)  # (B, G, D) node of (g, d), via its representative
+    parent = torch.cat([torch.full_like(own[..., :1], -1), own[..., :-1]], 2)  # (B, G, D)
+    M = int(created.sum((1, 2)).max()) if B else 0
+    where = torch.where(created, node_id, M).view(B, G * D)  # (B, G*D), M = discard column
+    tokens = torch.full((B, M + 1), -1, dtype=torch.long, device=dev)  # (B, M+1)
+    parents = torch.full((B, M + 1), -1, dtype=torch.long, device=dev)  # (B, M+1)
+    tokens.scatter_(1, where, torch.where(created, cand, -1).view(B, G * D))
+    parents.scatter_(1, where, torch.where(created, parent, -1).view(B, G * D))
+    return Tree(tokens[:, :M], parents[:, :M], created.sum((1, 2)))  # (B, M), (B, M), (B,)
 
 
 class LookaheadProposer:
     """The Proposer protocol for lookahead decoding: a tree draft plus the window as Draft.aux.
 
     `k` is the widest block after the root (G(N-1) tree nodes + (N-1)W - 1 window tokens), so that
-    generate.py sizes the KV cache for it. State per row: window (B, N-1, W) and a pool.
+    generate.py sizes the KV cache for it. State per row: window (B, N-1, W) and the pool.
     """
 
     def __init__(self, config: LookaheadConfig = LookaheadConfig()):
@@ -116,22 +170,22 @@ class LookaheadProposer:
         self._pattern, self._depth = window_pattern(W, N)  # (E, F), (E,)
         self._newest = (N - 2) * W + torch.arange(W) - 1  # (W,) window indices of level N-2
         self.window: Optional[torch.Tensor] = None  # (B, N-1, W) long
-        self.pools: List[Pool] = []
+        self.pool: Optional[NgramPool] = None
         self.steps = 0  # Jacobi steps done
         self._new: Optional[torch.Tensor] = None  # (B, W) argmax at level N-2, from observe()
+        self._vocab = 0  # learnt from the window's logits
         self._lens: Optional[torch.Tensor] = None  # (B,) context lengths at propose()
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
-        cfg, (B, dev) = self.config, (ctx.tokens.shape[0], ctx.tokens.device)
+        cfg, B, dev = self.config, ctx.tokens.shape[0], ctx.tokens.device
         u = uniforms((cfg.N - 1, cfg.W), B, generator, dev)  # (B, N-1, W) in [0, 1)
         last = (ctx.lengths - 1).view(B, 1, 1)  # (B, 1, 1)
         idx = torch.minimum((u * ctx.lengths.view(B, 1, 1)).long(), last)  # (B, N-1, W) prompt positions
         self.window = ctx.tokens.gather(1, idx.view(B, -1)).view(B, cfg.N - 1, cfg.W)  # (B, N-1, W)
-        self.pools = [{} for _ in range(B)]
+        self.pool = NgramPool(B, max(int(ctx.tokens.max()) + 1, self._vocab), cfg.G, cfg.N - 1, dev)
         self.steps, self._new, self._lens = 0, None, None
         if cfg.pool_from_prompt:
-            for b in range(B):
-                self._pool_text(b, ctx.row(b).tolist(), 0)
+            self._pool_text(ctx, torch.zeros_like(ctx.lengths), ctx.active)
 
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
@@ -141,9 +195,8 @@ class LookaheadProposer:
         self.window[:, 0, 0] = root
         self._lens = ctx.lengths.clone()
         # 1. verification branch: the pool's n-grams that start with the root, most recent first
-        roots, active = root.tolist(), ctx.active.tolist()
-        seqs = [list(reversed(self.pools[b].get(roots[b], []))) if active[b] else [] for b in range(B)]
-        tree = tree_from_sequences(seqs, device=dev)  # tokens, parents (B, M); lengths (B,)
+        cand, valid = self.pool.lookup(root)  # (B, G, N-1), (B, G)
+        tree = merge_candidates(cand, valid & ctx.active[:, None])  # tokens, parents (B, M); (B,)
         M = tree.tokens.shape[1]
         # 2. lookahead branch: the window after the tree; it sees root + its trajectory, no nodes
         E = self._depth.numel()
@@ -156,6 +209,7 @@ class LookaheadProposer:
 
     def observe(self, aux_logits: torch.Tensor) -> None:
         """The target's logits at the window tokens (B, E, V): keep the argmax at the newest level."""
+        self._vocab = aux_logits.shape[-1]
         self._new = aux_logits[:, self._newest.to(aux_logits.device)].argmax(-1)  # (B, W)
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
@@ -164,23 +218,22 @@ class LookaheadProposer:
             return
         cfg, new, self._new = self.config, self._new.to(self.window.device), None
         self.steps += 1
-        active = ctx.active.tolist()
+        self.pool.grow(self._vocab)
+        if cfg.pool_from_prompt and self._lens is not None:  # the output's n-grams, oldest first
+            self._pool_text(ctx, self._lens, ctx.active)
         if self.steps >= cfg.N - 1:  # levels 1..N-2 were all Jacobi outputs in this forward
-            grams = torch.cat([self.window, new[:, None]], 1).transpose(1, 2).tolist()  # B x W x N
-            for b in range(len(grams)):
-                if active[b]:
-                    for g in grams[b]:
-                        remember(self.pools[b], g[0], tuple(g[1:]), cfg.G)
+            grams = torch.cat([self.window, new[:, None]], 1)  # (B, N, W): column j = one n-gram
+            for j in range(cfg.W):
+                self.pool.insert(ctx.active, grams[:, 0, j], grams[:, 1:, j])
         self.window = torch.cat([self.window[:, 1:], new[:, None]], 1)  # (B, N-1, W)
-        if cfg.pool_from_prompt and self._lens is not None:
-            old, lens = self._lens.tolist(), ctx.lengths.tolist()
-            for b in range(len(old)):
-                if active[b] and lens[b] > old[b]:
-                    first = max(old[b] - cfg.N + 1, 0)
-                    self._pool_text(b, ctx.tokens[b, first: lens[b]].tolist(), old[b] - first)
 
-    def _pool_text(self, b: int, text: List[int], start: int) -> None:
-        """Pool the n-grams of `text` that end at index >= start (and at >= N-1)."""
+    def _pool_text(self, ctx: Context, start: torch.Tensor, rows: torch.Tensor) -> None:
+        """Pool the context's n-grams ending at positions start[b] .. lengths[b]-1 (and >= N-1)."""
         N = self.config.N
-        for t in range(max(start, N - 1), len(text)):
-            remember(self.pools[b], text[t - N + 1], tuple(text[t - N + 2: t + 1]), self.config.G)
+        lo = torch.clamp(start, min=N - 1)  # (B,) first end position per row
+        span = torch.arange(1 - N, 1, device=ctx.tokens.device)  # (N,) offsets of an n-gram's tokens
+        for i in range(int((ctx.lengths - lo).max())):  # offsets from lo, oldest first, over rows
+            t = lo + i  # (B,)
+            ok = rows & (t < ctx.lengths)  # (B,)
+            gram = ctx.tokens.gather(1, (t[:, None] + span).clamp(max=ctx.tokens.shape[1] - 1))  # (B, N)
+            self.pool.insert(ok, gram[:, 0], gram[:, 1:])

@@ -7,8 +7,8 @@ the rest: AdamW, a linear-warmup cosine learning-rate schedule, gradient clippin
 periodic held-out evaluation (loss, top-1 agreement with the target = the greedy acceptance rate
 per position, and the simulated acceptance beta = sum_x min(p(x), q(x)), Leviathan et al.
 Definition 3.1, averaged over positions), checkpoints as safetensors (weights, AdamW moments,
-step, history; never pickle) written atomically, and exact resumption: the data order is a pure
-function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
+step, history; never pickle) written atomically, and exact resumption: the data order (length-bucketed
+batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
 
 `train_main(argv)` is `python -m specref train`: self-distilled data (distill_data.py), then the
 reduced-vocabulary draft for the default model (trained_draft.py). Left out: mixed precision,
@@ -84,16 +84,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def batch_indices(step: int, n: int, cfg: TrainConfig) -> List[int]:
-    """Sequence indices of a step: consecutive slices of per-epoch permutations seeded by (seed, epoch)."""
-    out, perms = [], {}
-    for i in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
-        epoch = i // n
-        if epoch not in perms:
-            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-            perms[epoch] = torch.randperm(n, generator=g).tolist()
-        out.append(perms[epoch][i % n])
-    return out
+def epoch_batches(lengths: Sequence[int], epoch: int, cfg: TrainConfig) -> List[List[int]]:
+    """The batches of one epoch: a permutation seeded by (seed, epoch), cut into windows of 4
+    batches, each window sorted by sequence length (less padding), cut into batches, shuffled."""
+    n, bs = len(lengths), cfg.batch_size
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    batches = []
+    for w in range(0, n, 4 * bs):
+        window = sorted(perm[w: w + 4 * bs], key=lambda i: lengths[i])
+        batches += [window[j: j + bs] for j in range(0, len(window), bs)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in order]
+
+
+def batch_indices(step: int, lengths: Sequence[int], cfg: TrainConfig) -> List[int]:
+    """Sequence indices of a step: a pure function of (seed, step), so resumption is exact."""
+    nb = (len(lengths) + cfg.batch_size - 1) // cfg.batch_size
+    return epoch_batches(lengths, step // nb, cfg)[step % nb]
 
 
 def evaluate(task: TrainTask, seqs: Sequence[Seq], cfg: TrainConfig) -> Dict[str, float]:
@@ -199,11 +207,15 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
     bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step", disable=not progress)
     running = []
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    lengths = [min(len(q.tokens), cfg.max_len) for q in train]
+    nb, epoch, batches = (len(train) + cfg.batch_size - 1) // cfg.batch_size, -1, []
     while step < end:
         task.module.train()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = collate([train[i] for i in batch_indices(step, len(train), cfg)], cfg.max_len).to(dev)
+        if step // nb != epoch:
+            epoch, batches = step // nb, epoch_batches(lengths, step // nb, cfg)
+        batch = collate([train[i] for i in batches[step % nb]], cfg.max_len).to(dev)
         loss = task.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -260,13 +272,36 @@ def train_main(argv=None) -> int:
     ap.add_argument("--eval-per-category", type=int, default=2)
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=None, help="draft length for --eval (default: closed form)")
+    ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    ap.add_argument("--measure-only", nargs="?", const="", default=None, metavar="PATH",
+                    help="no training: measure a trained draft (default: the committed one) and exit")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.measure_only is not None:
+        from .draft_eval import measure_draft, to_markdown
+        from .models import load_default
+        from .trained_draft import load_trained_draft, trained_draft_info, WEIGHTS
+
+        path = a.measure_only or WEIGHTS
+        target, tok = load_default(device=a.device)
+        draft, token_map = load_trained_draft(target, path)
+        alpha = trained_draft_info(path)["record"].get("heldout", {}).get("heldout_top1")
+        res = measure_draft(target, tok, draft, token_map, per_category=a.eval_per_category,
+                            max_new_tokens=a.eval_max_new_tokens, k=a.k, alpha=alpha)
+        print(to_markdown(res))
+        return 0 if res["parity"] else 1
     data_cfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
                              temperature=a.temperature, batch_size=a.gen_batch_size)
-    train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
+    train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
+                            warmup_steps=a.warmup_steps)
     draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
     return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
                         export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
                         eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(train_main())

@@ -175,6 +175,7 @@ def save_draft(path, draft: torch.nn.Module, token_map: torch.Tensor, target_fin
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = str(path) + ".tmp"
     save_file(tensors, tmp, metadata=meta)
+    Path(tmp).chmod(0o644)
     Path(tmp).replace(path)
 
 

@@ -72,11 +72,13 @@ def test_schedule_and_data_order():
     assert lr_at(9, cfg) == pytest.approx(1.0)  # warm-up ends at the peak
     assert lr_at(55, cfg) == pytest.approx(0.55)  # half-way through the cosine: (1 + 0.1) / 2
     assert lr_at(100, cfg) == pytest.approx(0.1)  # the floor
-    # 10 sequences, 4 per step: steps 0..4 cover epochs 0 and 1 exactly once each
-    idx = sum((batch_indices(s, 10, cfg) for s in range(5)), [])
-    assert sorted(idx[:10]) == list(range(10)) and sorted(idx[10:]) == list(range(10))
-    assert idx[:10] != idx[10:]  # a new permutation each epoch
-    assert batch_indices(3, 10, cfg) == batch_indices(3, 10, cfg)  # a pure function of the step
+    # 20 sequences of lengths 0..19, 4 per step: 5 batches per epoch; steps 0..9 = 2 epochs
+    lengths = list(range(20))
+    idx = [batch_indices(s, lengths, cfg) for s in range(10)]
+    assert sorted(sum(idx[:5], [])) == lengths and sorted(sum(idx[5:], [])) == lengths
+    assert {frozenset(b) for b in idx[:5]} != {frozenset(b) for b in idx[5:]}  # new batches each epoch
+    assert all(b == sorted(b) for b in idx)  # cut from length-sorted windows (here length = index)
+    assert batch_indices(7, lengths, cfg) == idx[7]  # a pure function of the step
 
 
 def test_training_reduces_heldout_loss_and_raises_agreement():

@@ -1,0 +1,219 @@
+"""The methods of the benchmark (bench.py): the model under test and one runner per method.
+
+Each runner takes a prompt (1, T), the KV-cache size and a seed, runs one generation and returns a
+record of counters (tokens, wall time, target forwards; for specref methods also drafts, accepted
+per position and the draft / verify / prefill times of generate.py's GenerationStats).
+transformers' methods count target forwards with a forward hook (their first forward is the prefill,
+which emits the first token). The trained draft (trained_draft.py) has a reduced vocabulary (Vd
+rows in its LM head, token_map to target ids); for transformers' assisted generation it is wrapped
+so its head scatters the Vd logits into the full V with -inf elsewhere: the same draft, so q is 0
+outside the map in both. Left out: Medusa, EAGLE, MTP (added when they land).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "hf_pld", "hf_assist")
+
+
+def load_model(cfg):
+    """(model, encode(text) -> chat-template token ids, eos id(s) or None, model name)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype {cfg.dtype!r} is not one of float32, bfloat16, float16")
+    if cfg.model == "tiny":  # test-only: a seeded random Llama and a byte "tokenizer"
+        from .models import tiny_model
+
+        V = 96
+        model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
+        return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
+    if cfg.model == "default":
+        from .models import load_default
+
+        model, tok = load_default(dtype=dtype, device=cfg.device)
+        name = "SmolLM2-135M-Instruct (embedded GGUF, dequantised)"
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(cfg.model).is_dir():
+            raise ValueError(f"model {cfg.model!r} is not 'default', 'tiny' or a local model folder")
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True)
+        model = model.to(cfg.device).eval()
+        tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+        name = cfg.model
+
+    def encode(text: str) -> List[int]:
+        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    eos = model.generation_config.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
+    return model, encode, (eos[0] if isinstance(eos, list) and len(eos) == 1 else eos), name
+
+
+def _trained_draft(cfg, model):
+    """(draft, token_map, alpha or None) or raise ValueError/ImportError when there is none."""
+    if cfg.model == "tiny":  # an untrained reduced-vocabulary draft: exercises the code path only
+        from .trained_draft import build_draft
+
+        return build_draft(model, 1, torch.arange(0, model.config.vocab_size, 2)), \
+            torch.arange(0, model.config.vocab_size, 2, device=model.device), None
+    if cfg.model != "default":
+        raise ValueError("the trained draft belongs to the default model")
+    from .trained_draft import load_trained_draft, trained_draft_info
+
+    draft, token_map = load_trained_draft(model)
+    alpha = trained_draft_info().get("record", {}).get("heldout", {}).get("heldout_top1")
+    return draft, token_map, alpha
+
+
+class _FullVocabHead(torch.nn.Module):
+    """A reduced LM head (Vd rows) seen as a full one: logits scattered into V, -inf-like elsewhere,
+    so transformers' assisted generation can use a reduced-vocabulary draft as `assistant_model`."""
+
+    def __init__(self, head: torch.nn.Module, token_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head, self.vocab_size = head, vocab_size
+        self.register_buffer("token_map", token_map.long(), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        small = self.head(h)  # (B, T, Vd)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), torch.finfo(small.dtype).min)  # (B, T, V)
+        return full.index_copy_(-1, self.token_map, small)  # (B, T, V)
+
+
+def _as_assistant(draft, token_map, vocab_size: int, k: int):
+    """A shallow copy of the draft whose head covers the full vocabulary (weights shared)."""
+    a = copy.copy(draft)
+    a._modules = dict(draft._modules)
+    a.lm_head = _FullVocabHead(draft.lm_head, token_map, vocab_size)
+    a.config = copy.deepcopy(draft.config)
+    a.config.vocab_size = vocab_size
+    a.generation_config = copy.deepcopy(draft.generation_config)
+    a.generation_config.num_assistant_tokens = k  # the same k as specref's draft method
+    a.generation_config.num_assistant_tokens_schedule = "constant"
+    return a
+
+
+@dataclass
+class Method:
+    name: str
+    label: str
+    run: Callable  # (ids (1, T), max_len, seed) -> record dict
+    k: Optional[int] = None
+    specref: bool = True
+
+
+def _spec_record(out) -> dict:
+    s = out.stats
+    return dict(tokens=out.row(0), wall=s.wall_time, forwards=s.num_row_steps, drafts=s.num_drafts,
+                drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
+                acc_pos=list(s.accepted_per_position), drafted_pos=list(s.drafted_per_position),
+                draft_time=s.draft_time, verify_time=s.verify_time, prefill_time=s.prefill_time)
+
+
+def build_methods(cfg, model, eos, target) -> tuple:
+    """(methods in run order, {skipped name: reason})."""
+    from .generate import autoregressive_generate, speculative_generate
+    from .ngram import NgramConfig, NgramProposer
+
+    N, T, dev = cfg.max_new_tokens, cfg.temperature, model.device
+    V = int(model.get_output_embeddings().weight.shape[0])
+    gen = dict(max_new_tokens=N, temperature=T, eos_token_id=eos)
+    eos_ids = set() if eos is None else set([eos] if isinstance(eos, int) else eos)
+    methods: List[Method] = []
+    skipped: Dict[str, str] = {}
+    trained: dict = {}  # loaded once for "draft" and "hf_assist"
+
+    def spec(make_proposer):
+        return lambda ids, max_len, seed: _spec_record(
+            speculative_generate(target, make_proposer(), ids, seed=seed, max_len=max_len, **gen))
+
+    def hf(extra, counter):
+        def run(ids, max_len, seed):
+            torch.manual_seed(seed)
+            sample = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
+            hook = model.register_forward_hook(lambda *a: counter.__setitem__(0, counter[0] + 1))
+            counter[0] = 0
+            try:
+                t0 = time.perf_counter()
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                     eos_token_id=eos, pad_token_id=min(eos_ids, default=0), **sample, **extra)
+                _sync(dev)
+                wall = time.perf_counter() - t0
+            finally:
+                hook.remove()
+            toks = seq[0, ids.shape[1]:].tolist()
+            stops = [i for i, t in enumerate(toks) if t in eos_ids]
+            toks = toks[: stops[0] + 1] if stops else toks  # (batch 1: nothing follows the eos)
+            return dict(tokens=toks, wall=wall, forwards=counter[0])
+        return run
+
+    for name in cfg.methods:
+        if name == "ar":
+            continue  # always first, added below
+        if name == "hf":
+            methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
+        elif name == "ngram":
+            ng = NgramConfig(adaptive=True)
+            methods.append(Method("ngram", "specref n-gram (adaptive)", spec(lambda: NgramProposer(ng)), k=ng.k))
+        elif name == "lookahead":
+            try:
+                from .lookahead import LookaheadConfig, LookaheadProposer
+            except ImportError as e:
+                skipped[name] = f"specref.lookahead not importable ({e})"
+                continue
+            W, Nn, G = cfg.lookahead
+            la = LookaheadConfig(W=W, N=Nn, G=G)
+            methods.append(Method("lookahead", f"specref lookahead (W {W}, N {Nn}, G {G})",
+                                  spec(lambda: LookaheadProposer(la)), k=LookaheadProposer(la).k))
+        elif name in ("draft", "hf_assist"):
+            try:
+                if not trained:
+                    draft, token_map, alpha = _trained_draft(cfg, model)
+                    trained.update(draft=draft, token_map=token_map,
+                                   k=cfg.draft_k or _draft_k(target, draft, alpha))
+            except (ImportError, ValueError, FileNotFoundError) as e:
+                skipped[name] = f"no trained draft ({e})"
+                continue
+            draft, token_map, k = trained["draft"], trained["token_map"], trained["k"]
+            if name == "draft":
+                from .draft_model import DraftModelConfig, DraftModelProposer
+
+                dk = DraftModelConfig(k=k)
+                methods.append(Method("draft", f"specref trained draft (k={k})", spec(
+                    lambda: DraftModelProposer(draft, dk, token_map=token_map, vocab_size=V)), k=k))
+            else:
+                assistant = _as_assistant(draft, token_map, V, k)
+                methods.append(Method("hf_assist", f"transformers assisted, trained draft (k={k})",
+                                      hf({"assistant_model": assistant}, [0]), k=k, specref=False))
+        elif name == "hf_pld":
+            methods.append(Method("hf_pld", "transformers prompt lookup (10)",
+                                  hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))
+        else:
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
+    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed: _spec_record(
+        autoregressive_generate(target, ids, seed=seed, max_len=max_len, **gen)))
+    return [base] + methods, skipped
+
+
+def _draft_k(target, draft, alpha) -> int:
+    """k from the closed form (theory.optimal_k) with the draft's held-out alpha and measured c."""
+    from .draft_eval import measure_cost
+    from .theory import optimal_k
+
+    if alpha is None:
+        return 4
+    return optimal_k(float(alpha), measure_cost(target, draft)["c"], k_max=10)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
