@@ -5,7 +5,7 @@ Comprehensive Survey of Speculative Decoding") compares speculative methods on o
 model and one question set. Here: the first turn of each question through the model's chat
 template, every method on question i before any method on question i+1 (the order of methods
 rotates from question to question, so slow drift of the machine's load hits all of them alike),
-after one untimed warm-up call of each method. Methods:
+after one untimed warm-up call of each method (32 tokens). Methods:
   ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
   hf         transformers `model.generate`, greedy/sampled, dynamic cache
   ngram      specref prompt lookup (NgramConfig(adaptive=True))
@@ -159,6 +159,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     from .bench_report import summarize
 
     t_start = time.perf_counter()
+    machine = _machine(torch.device(cfg.device))
     qfile = find_question_file(cfg.question_file)
     questions = load_questions(qfile, cfg.categories, cfg.questions)
     if not questions:
@@ -179,7 +180,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
 
     warm = torch.tensor([encode("Hello! Tell me a little about yourself.")], device=dev)  # (1, T)
     for m in tqdm(methods, desc="warm-up", disable=not cfg.progress):
-        m.run(warm, fixed or _bucket(warm.shape[1] + slack), cfg.seed)
+        m.run(warm, fixed or _bucket(warm.shape[1] + slack), cfg.seed, min(32, cfg.max_new_tokens))
 
     records: Dict[str, List[dict]] = {m.name: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods), desc="spec-bench", disable=not cfg.progress)
@@ -191,7 +192,8 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             _reset_peak(dev)
             rec = m.run(ids, max_len, cfg.seed + i)
             rec.update(question_id=q["question_id"], category=q["category"], prompt_tokens=ids.shape[1],
-                       n=len(rec["tokens"]), peak_mb=_peak_mb(dev))
+                       n=len(rec["tokens"]), peak_mb=_peak_mb(dev),
+                       load1=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
             records[m.name].append(rec)
             bar.update(1)
     bar.close()
@@ -200,7 +202,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             rec["identical"] = (rec["tokens"] == base["tokens"]) if cfg.temperature == 0 else None
     meta = dict(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), model=model_name,
                 question_file=str(qfile), config={**asdict(cfg), "question_file": str(qfile)},
-                skipped=skipped, num_questions=len(questions), machine=_machine(dev),
+                skipped=skipped, num_questions=len(questions), machine=machine,
                 labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},
                 ks={m.name: m.k for m in methods}, cache="fixed" if fixed else "per question, 128-slot buckets")
     meta["machine"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None

@@ -106,7 +106,7 @@ def _as_assistant(draft, token_map, vocab_size: int, k: int):
 class Method:
     name: str
     label: str
-    run: Callable  # (ids (1, T), max_len, seed) -> record dict
+    run: Callable  # (ids (1, T), max_len, seed, n=max_new_tokens) -> record dict
     k: Optional[int] = None
     specref: bool = True
 
@@ -133,18 +133,18 @@ def build_methods(cfg, model, eos, target) -> tuple:
     trained: dict = {}  # loaded once for "draft" and "hf_assist"
 
     def spec(make_proposer):
-        return lambda ids, max_len, seed: _spec_record(
-            speculative_generate(target, make_proposer(), ids, seed=seed, max_len=max_len, **gen))
+        return lambda ids, max_len, seed, n=N: _spec_record(speculative_generate(
+            target, make_proposer(), ids, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n}))
 
     def hf(extra, counter):
-        def run(ids, max_len, seed):
+        def run(ids, max_len, seed, n=N):
             torch.manual_seed(seed)
             sample = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
             hook = model.register_forward_hook(lambda *a: counter.__setitem__(0, counter[0] + 1))
             counter[0] = 0
             try:
                 t0 = time.perf_counter()
-                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                      eos_token_id=eos, pad_token_id=min(eos_ids, default=0), **sample, **extra)
                 _sync(dev)
                 wall = time.perf_counter() - t0
@@ -199,8 +199,8 @@ def build_methods(cfg, model, eos, target) -> tuple:
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
-    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed: _spec_record(
-        autoregressive_generate(target, ids, seed=seed, max_len=max_len, **gen)))
+    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed, n=N: _spec_record(
+        autoregressive_generate(target, ids, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})))
     return [base] + methods, skipped
 
 

@@ -104,6 +104,11 @@ def _category_table(result: dict, key: str, fmt: str) -> str:
     return "\n".join(lines)
 
 
+def _mean_load(result: dict) -> str:
+    loads = [r["load1"] for recs in result["records"].values() for r in recs if r.get("load1") is not None]
+    return f"{statistics.fmean(loads):.2f}" if loads else "n/a"
+
+
 def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     meta, summ = result["meta"], result["summary"]
     mach, cfg = meta["machine"], meta["config"]
@@ -115,7 +120,11 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
              f"- Machine: {mach['cpu']}, {mach['cores']} cores, torch threads {mach['threads']}"
              + (f", GPU {mach['gpu']}" if mach["gpu"] else "") + f"; {mach['platform']}.",
              f"- Load average (1, 5, 15 min) at start: {la(mach['load_avg_start'])}; at end: "
-             f"{la(mach['load_avg_end'])}.",
+             f"{la(mach['load_avg_end'])}; mean 1-minute load over the timed calls: {_mean_load(result)}.",
+             *([f"- **Loaded machine**: the 1-minute load average ({mach['load_avg_start'][0]:.1f}) exceeded "
+                f"the {mach['cores']} cores when the run began; ratios measured side by side still hold roughly, "
+                "absolute speeds do not: re-run on a quiet machine."]
+               if mach["load_avg_start"] and mach["load_avg_start"][0] > mach["cores"] else []),
              f"- Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}.",
              f"- Model: {meta['model']}, {cfg['dtype']}, device {cfg['device']}, compile {cfg['compile']}; "
              f"{meta['num_questions']} questions ({'all' if cfg['questions'] is None else cfg['questions']} "

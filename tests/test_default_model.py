@@ -33,10 +33,17 @@ def default():
 
 
 def test_autoregressive_equals_hf_generate(default):
-    model, tok, enc, ar = default
+    """Both stop at eos (HF's min_new_tokens would suppress eos, so it is not used)."""
+    model, tok, enc, _ = default
+    eos = model.generation_config.eos_token_id
+    ar = autoregressive_generate(model, enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW,
+                                 temperature=0, eos_token_id=eos)
     hf = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=N_NEW,
-                        min_new_tokens=N_NEW, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert torch.equal(ar.tokens, hf[:, enc.input_ids.shape[1]:])
+                        do_sample=False, pad_token_id=tok.pad_token_id)[:, enc.input_ids.shape[1]:]
+    for b in range(len(PROMPTS)):
+        n = int(ar.num_tokens[b])
+        assert ar.row(b) == hf[b, :n].tolist()
+        assert (hf[b, n:] == tok.pad_token_id).all()  # HF pads the row after its eos
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

@@ -121,8 +121,9 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert res.steps == 6
     for (n, p), (_, q) in zip(whole.named_trainable(), resumed.named_trainable()):
         assert torch.equal(p, q), n
-    step, history = load_checkpoint(tmp_path / "b" / "checkpoint.safetensors", _task(target, train),
-                                    torch.optim.AdamW([p for _, p in _task(target, train).named_trainable()]))
+    fresh = _task(target, train)
+    step, history = load_checkpoint(tmp_path / "b" / "checkpoint.safetensors", fresh,
+                                    torch.optim.AdamW([p for _, p in fresh.named_trainable()]))
     assert step == 6 and [h["step"] for h in history] == [0, 3, 6]
 
 
