@@ -159,7 +159,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     from .bench_report import summarize
 
     t_start = time.perf_counter()
-    machine = _machine(torch.device(cfg.device))
+    machine, date = _machine(torch.device(cfg.device)), time.strftime("%Y-%m-%d %H:%M:%S %Z")
     qfile = find_question_file(cfg.question_file)
     questions = load_questions(qfile, cfg.categories, cfg.questions)
     if not questions:
@@ -200,7 +200,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     for m in methods:  # greedy identity with the baseline, token for token
         for rec, base in zip(records[m.name], records["ar"]):
             rec["identical"] = (rec["tokens"] == base["tokens"]) if cfg.temperature == 0 else None
-    meta = dict(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), model=model_name,
+    meta = dict(command=command, date=date, model=model_name,
                 question_file=str(qfile), config={**asdict(cfg), "question_file": str(qfile)},
                 skipped=skipped, num_questions=len(questions), machine=machine,
                 labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},

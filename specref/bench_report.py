@@ -183,7 +183,7 @@ def plot(result: dict, png: Path) -> None:
     cats = list(next(iter(summ.values()))["per_category"]) + ["all"]
     methods = list(summ)
     w = 0.8 / len(methods)
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(cats) * max(1, len(methods) / 4)), 7), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(min(16, max(8, 0.5 * len(cats) * max(1, len(methods) / 4))), 7), sharex=True)
     for ax, key, title in ((axes[0], "speedup", "speed-up over specref autoregressive"),
                            (axes[1], "tau", "tokens per target forward (tau)")):
         for j, m in enumerate(methods):
