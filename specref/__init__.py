@@ -9,6 +9,7 @@ Heavy submodules (models, the oracle's checks) import their optional dependencie
 from .draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
 from .generate import GenerationOutput, GenerationStats, NullProposer, autoregressive_generate, speculative_generate
 from .kv_rollback import SpecCache
+from .lookahead import LookaheadConfig, LookaheadProposer
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance
 from .oracle_check import Report, check_rejection_sampler
@@ -31,7 +32,7 @@ def load_default(*args, **kwargs):
 
 __all__ = [
     "ChainResult", "Context", "Report", "check_generator", "check_rejection_sampler", "joint_index", "Draft", "DraftModelConfig", "DraftModelProposer", "GREEDY",
-    "GenerationOutput", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
+    "GenerationOutput", "LookaheadConfig", "LookaheadProposer", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
     "SamplingConfig", "SpecCache", "Target", "TargetConfig", "TreeResult", "autoregressive_generate",
     "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "load_default",
     "logits_to_probs", "make_generators", "optimal_k", "propose_ngram", "samples_for_tv",
