@@ -173,12 +173,11 @@ def speculative_generate(
     stats = GenerationStats()
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     T_ctx = int(prompt_len.max()) + max_new_tokens + max(k, 1) + 1
-    need = T_ctx
     if max_len is None:  # compiled graphs are specialised on the cache size: round it up
-        max_len = -(-need // 256) * 256 if tgt.config.compile else need
-    if max_len < need:
+        max_len = -(-T_ctx // 256) * 256 if tgt.config.compile else T_ctx
+    if max_len < T_ctx:
         raise ValueError(f"max_len {max_len} is too small: the longest prompt ({int(prompt_len.max())} "
-                         f"tokens) + max_new_tokens ({max_new_tokens}) + k + 1 needs {need}")
+                         f"tokens) + max_new_tokens ({max_new_tokens}) + k + 1 needs {T_ctx}")
     out_tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=dev)  # (B, N)
     n_new = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
     if max_new_tokens == 0:
