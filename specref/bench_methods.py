@@ -162,8 +162,13 @@ def build_methods(cfg, model, eos, target) -> tuple:
         if name == "hf":
             methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
         elif name == "ngram":
-            ng = NgramConfig(adaptive=True)
-            methods.append(Method("ngram", "specref n-gram (adaptive)", spec(lambda: NgramProposer(ng)), k=ng.k))
+            from .draft_eval import measure_verify_cost
+
+            vc = measure_verify_cost(target, 10)  # the draft length rule needs this machine's costs
+            ng = NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4),
+                             verify_cost_fixed=round(vc["c0"], 4))
+            methods.append(Method("ngram", f"specref n-gram (adaptive, k<=10; c {ng.draft_cost:.3f}, "
+                                  f"c0 {ng.verify_cost_fixed:.3f})", spec(lambda: NgramProposer(ng)), k=ng.k))
         elif name == "lookahead":
             try:
                 from .lookahead import LookaheadConfig, LookaheadProposer

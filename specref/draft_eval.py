@@ -57,6 +57,44 @@ def measure_cost(target, draft, cache_len: int = 200, reps: int = 15) -> Dict[st
     return {"t_target": times["target"], "t_draft": times["draft"], "c": times["draft"] / times["target"]}
 
 
+@torch.no_grad()
+def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> Dict[str, float]:
+    """Fit the verify-cost model cost(W) = 1 + c0 [W > 1] + c (W - 1) of a block of W tokens,
+    relative to a 1-token forward, from median timings of W = 1..k+1 on a `cache_len` cache
+    (widths interleaved within each repetition, so drifting machine load hits them alike).
+    Returns {"c": c, "c0": c0, "t1": seconds of a 1-token forward, "ratios": [cost(W) for W]}.
+    The adaptive n-gram proposer takes c as draft_cost and c0 as verify_cost_fixed."""
+    from .target import Target
+
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    t = target if isinstance(target, Target) else Target(target)
+    cache = t.new_cache(1, cache_len + k + 2)
+    g = torch.Generator().manual_seed(0)
+    t.prefill(cache, torch.randint(0, min(1000, t.vocab_size), (1, cache_len), generator=g).to(t.device),
+              torch.tensor([cache_len], device=t.device))
+    widths = list(range(1, k + 2))
+    times: Dict[int, List[float]] = {w: [] for w in widths}
+    for i in range(reps + 1):
+        for w in widths:
+            blk = torch.randint(0, min(1000, t.vocab_size), (1, w), generator=g).to(t.device)
+            a = time.perf_counter()
+            t.verify_chain(cache, blk)
+            if i:  # the first round warms up
+                times[w].append(time.perf_counter() - a)
+            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
+    t1 = statistics.median(times[1])
+    ratios = [statistics.median(times[w]) / t1 for w in widths]
+    if k == 1:
+        return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "t1": t1, "ratios": ratios}
+    x = torch.tensor([w - 1.0 for w in widths[1:]], dtype=torch.float64)  # extra tokens, W >= 2
+    y = torch.tensor(ratios[1:], dtype=torch.float64) - 1.0
+    c = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    c = max(c, 0.0)
+    c0 = max(float((y - c * x).mean()), 0.0)
+    return {"c": c, "c0": c0, "t1": t1, "ratios": ratios}
+
+
 def measure_draft(target, tokenizer, draft, token_map, *, questions=SPEC_BENCH, per_category: int = 2,
                   max_new_tokens: int = 128, k: Optional[int] = None, alpha: Optional[float] = None,
                   progress: bool = True) -> dict:

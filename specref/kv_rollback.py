@@ -55,7 +55,10 @@ class _RowLayer(CacheLayerMixin):
         idx_v = slots.view(B, 1, Q, 1).expand(B, H, Q, value_states.shape[-1])  # (B, H, Q, Dv)
         self.keys.scatter_(2, idx_k, key_states)
         self.values.scatter_(2, idx_v, value_states)
-        return self.keys, self.values  # (B, H, S, D) each; the caller's mask hides stale slots
+        n = self.owner.attend_len
+        if n is None:
+            return self.keys, self.values  # (B, H, S, D) each; the caller's mask hides stale slots
+        return self.keys[:, :, :n], self.values[:, :, :n]  # (B, H, n, D): slots >= n unused by all rows
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.max_len, 0
@@ -91,6 +94,8 @@ class SpecCache(Cache):
         self.batch = int(batch_size)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.block_slots: Optional[torch.Tensor] = None  # (B, Q) slots of the block being written
+        self.attend_len: Optional[int] = None  # forwards attend slots 0..attend_len-1 (None: all
+        # max_len; a compiled forward needs the fixed size); set by the caller with its mask
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
     # -- writing a block ---------------------------------------------------------------------

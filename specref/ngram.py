@@ -28,8 +28,11 @@ n-gram drafts are nearly free to make but not to verify (each drafted token wide
 verify block), and outside copy-heavy text they are mostly rejected. With `adaptive=True` each row
 keeps an estimate a of the per-token acceptance rate and drafts the k' <= k tokens that maximise the
 expected speed-up of the i.i.d. model (Leviathan et al. 2023, Eq. 1 and Theorem 3.8),
-    (1 - a^(k'+1)) / ((1 - a) (1 + c k')),   k' = 0 meaning no draft (speed-up exactly 1),
-with c = `draft_cost`, the verify cost of one more draft token relative to one target step. The
+    (1 - a^(k'+1)) / ((1 - a) (1 + c0 + c k')),   k' = 0 meaning no draft (speed-up exactly 1),
+with c = `draft_cost`, the verify cost of one more draft token relative to one target step, and
+c0 = `verify_cost_fixed`, the extra cost of ANY block of two or more tokens over a one-token step
+(on CPUs the kernels of one-row and multi-row matrix products differ: measured here 0.15-0.25;
+about 0 on GPUs). `measure_verify_cost(target)` fits both on the machine at hand. The
 estimate comes from "shadow" drafts: the full match continuation is compared with the tokens that
 were actually emitted, also where fewer (or no) tokens were drafted; this costs nothing and is an
 unbiased sample of acceptance, because for a deterministic draft token x the emitted token equals x
@@ -65,6 +68,7 @@ class NgramConfig:
     match: str = "earliest"  # which occurrence of the n-gram: "earliest" (vLLM) or "latest"
     adaptive: bool = False  # False: always draft min(k, continuation) (vLLM); True: see module doc
     draft_cost: float = 0.06  # c: verify cost of one more token / one target step (DESIGN: ~0.06 CPU)
+    verify_cost_fixed: float = 0.2  # c0: extra cost of a multi-token block over a 1-token step
     memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate a
 
@@ -72,8 +76,10 @@ class NgramConfig:
         _check_nk(self.min_n, self.max_n, self.k)
         if self.match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {self.match!r}")
-        if not (isinstance(self.draft_cost, (int, float)) and 0.0 <= self.draft_cost < float("inf")):
-            raise ValueError(f"draft_cost must be a finite number >= 0, got {self.draft_cost!r}")
+        for name in ("draft_cost", "verify_cost_fixed"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0.0 <= v < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if not (isinstance(self.memory, (int, float)) and 0.0 <= self.memory <= 1.0):
             raise ValueError(f"memory must be in [0, 1], got {self.memory!r}")
         if not (isinstance(self.prior_accept, (int, float)) and 0.0 < self.prior_accept < 1.0):
@@ -148,11 +154,13 @@ def propose_ngram(context: ArrayLike, *, min_n: int, max_n: int, k: int,
     return draft[0, : int(n[0])]  # (n,)
 
 
-def best_draft_length(a: np.ndarray, k: int, c: float) -> np.ndarray:
-    """argmax over k' in 0..k of (1 - a^(k'+1)) / ((1 - a)(1 + c k')), per row; ties -> shorter."""
+def best_draft_length(a: np.ndarray, k: int, c: float, c0: float = 0.0) -> np.ndarray:
+    """argmax over k' in 0..k of (1 - a^(k'+1)) / ((1 - a)(1 + c0 [k' > 0] + c k')), per row;
+    ties -> shorter."""
     kk = np.arange(k + 1)  # (k+1,)
     a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0 - 1e-9)[:, None]  # (B, 1)
-    speedup = (1.0 - a ** (kk + 1)) / ((1.0 - a) * (1.0 + c * kk))  # (B, k+1)
+    cost = 1.0 + c0 * (kk > 0) + c * kk  # (k+1,) verify cost of a block of k'+1 tokens
+    speedup = (1.0 - a ** (kk + 1)) / ((1.0 - a) * cost)  # (B, k+1)
     return speedup.argmax(axis=1).astype(np.int64)  # (B,) first maximum = shortest
 
 
@@ -194,7 +202,7 @@ class NgramProposer:
         self._shadow = (shadow, shadow_len, lens)
         n = shadow_len
         if cfg.adaptive:
-            n = np.minimum(n, best_draft_length(self.acceptance, cfg.k, cfg.draft_cost))  # (B,)
+            n = np.minimum(n, best_draft_length(self.acceptance, cfg.k, cfg.draft_cost, cfg.verify_cost_fixed))  # (B,)
         K = int(n.max()) if B else 0
         draft = np.where(np.arange(K)[None, :] < n[:, None], shadow[:, :K], -1)  # (B, K)
         dev = ctx.tokens.device

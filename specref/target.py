@@ -7,8 +7,11 @@ is scored the same way with a tree attention mask (each node sees the committed 
 ancestors) and position ids equal to prefix length + depth.
 
 Every forward here passes explicit position ids and a 4D additive attention mask (B, 1, Q, S)
-over the whole static cache, so rows of different lengths share one batch without padding tokens
-inside the cache, and stale slots beyond a row's committed length are never read.
+over the static cache, so rows of different lengths share one batch without padding tokens
+inside the cache, and stale slots beyond a row's committed length are never read. Eager forwards
+attend only the cache's used prefix (slots up to the highest one any row writes); compiled ones
+the whole cache (static shapes). On CPU, fp32 linears run with weights pre-packed for oneDNN
+(cpu_linear.py), so a block of k+1 tokens costs little more than one token.
 
 Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
 SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D mask unchanged and
@@ -18,12 +21,14 @@ causal one, and recurrent state cannot be rolled back by a length change).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
+from .cpu_linear import PackedLinears, packing_available
 from .kv_rollback import SpecCache
 
 
@@ -33,6 +38,9 @@ class TargetConfig:
 
     compile: bool = False  # run verify forwards under torch.compile (prefill stays eager); chain
     # blocks are padded to a fixed width (generate.py: k+1) so one graph serves every step
+    pack_linears: Optional[bool] = None  # CPU fp32: run linears with weights pre-packed for oneDNN
+    # (cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
+    # it applies (CPU, fp32 linears, no compile); True requires it to apply
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
 
@@ -91,6 +99,14 @@ class Target:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.packed: Optional[PackedLinears] = None
+        if config.pack_linears or (config.pack_linears is None and not config.compile
+                                   and self.device.type == "cpu" and packing_available()):
+            if config.compile:
+                raise ValueError("pack_linears and compile are exclusive (inductor packs its own weights)")
+            self.packed = PackedLinears(model)
+            if config.pack_linears and not len(self.packed):
+                raise ValueError(f"pack_linears=True but {name} has no fp32 CPU nn.Linear layers")
         self._forward = self._eager_forward
         if config.compile:
             self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False)
@@ -103,8 +119,9 @@ class Target:
 
     def _eager_forward(self, cache: SpecCache, tokens, positions, mask) -> BlockOutput:
         want_hidden = self.config.hidden_layers is not None
-        out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                         use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache})
+        with (self.packed.active() if self.packed is not None else contextlib.nullcontext()):
+            out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                             use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache})
         hidden = None
         if want_hidden:
             hs = out.hidden_states  # tuple of (B, Q, D), embeddings first, last one normed
@@ -120,21 +137,39 @@ class Target:
             cache.begin_block(tokens.shape[1])
         else:
             cache.set_block_slots(slots)
+        S = allowed.shape[-1]
+        if S != cache.max_len and (self.config.compile or S < int(cache.block_slots.max()) + 1):
+            raise ValueError(f"allowed covers {S} slots: need all {cache.max_len} under compile, else at "
+                             f"least up to the block's last slot {int(cache.block_slots.max())}")
+        cache.attend_len = None if S == cache.max_len else S
         mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
-        return self._forward(cache, tokens, positions, mask)
+        try:
+            return self._forward(cache, tokens, positions, mask)
+        finally:
+            cache.attend_len = None
+
+    def _span(self, cache: SpecCache, top: int) -> int:
+        """Slots a forward attends: all max_len under compile (static shapes), else 0..top-1, the
+        highest slot any row uses (attention then skips the never-written tail of the cache)."""
+        return cache.max_len if self.config.compile else min(int(top), cache.max_len)
 
     # -- the three block shapes generate.py uses ------------------------------------------------
+    @torch.no_grad()
     def prefill(self, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor) -> BlockOutput:
         """Write tokens[b, :lengths[b]] of every row (right-padded (B, T)) and commit them."""
         B, T = tokens.shape
         if T == 0:
             return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=tokens.device))
         slots = cache.begin_block(T)  # (B, T)
-        S = cache.max_len
+        S = min(int(slots.max()) + 1, cache.max_len)  # prefill is eager: attend only written slots
         ar = torch.arange(S, device=tokens.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, T, S) causal over own row
         cache.set_block_slots(slots)
-        out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype))
+        cache.attend_len = None if S == cache.max_len else S
+        try:
+            out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype))
+        finally:
+            cache.attend_len = None
         cache.commit(lengths)
         return out
 
@@ -151,7 +186,7 @@ class Target:
             block = torch.cat([block, block.new_zeros(block.shape[0], pad_to - Q)], dim=1)  # (B, pad_to)
         W = block.shape[1]
         slots = cache.begin_block(W)  # (B, W) == position ids
-        S = cache.max_len
+        S = self._span(cache, int(slots.max()) + 1)
         ar = torch.arange(S, device=block.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
         out = self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots)
@@ -168,7 +203,7 @@ class Target:
         """
         Q = block.shape[1]
         slots = cache.begin_block(Q)  # (B, Q)
-        S = cache.max_len
+        S = self._span(cache, int(slots.max()) + 1)
         L = cache.lengths.view(-1, 1, 1)  # (B, 1, 1)
         ar = torch.arange(S, device=block.device).view(1, 1, S)  # (1, 1, S)
         rel = (ar - L).clamp(min=0, max=Q - 1).expand(block.shape[0], Q, S)  # (B, Q, S)

@@ -208,3 +208,15 @@ def test_best_draft_length():
     assert best_draft_length(np.array([0.0, 0.999]), 6, 0.0).tolist() == [0, 6]
     # a = 0.1, c = 0.2: 1.1 / 1.2 < 1 -> no draft
     assert best_draft_length(np.array([0.1]), 5, 0.2).tolist() == [0]
+
+
+def test_best_draft_length_fixed_block_cost():
+    # a = 0.2, c = 0.06: without a fixed cost one token pays (1.2 / 1.06 = 1.13 > 1); a fixed extra
+    # cost c0 = 0.25 of any multi-token block makes every draft a loss (1.2 / 1.31, 1.24 / 1.37, ...)
+    assert best_draft_length(np.array([0.2]), 5, 0.06).tolist() == [1]
+    assert best_draft_length(np.array([0.2]), 5, 0.06, 0.25).tolist() == [0]
+    # a = 0.8: worth it either way; the fixed cost, amortised, even favours a longer block
+    assert best_draft_length(np.array([0.8]), 8, 0.06).tolist() == [7]
+    assert best_draft_length(np.array([0.8]), 8, 0.06, 0.25).tolist() == [8]
+    with pytest.raises(ValueError):
+        NgramConfig(verify_cost_fixed=-0.1)

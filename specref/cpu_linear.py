@@ -1,0 +1,90 @@
+"""Pre-packed oneDNN linear layers for CPU inference: a block of Q tokens costs about one token.
+
+Speculative decoding pays off only if scoring a block of Q = k+1 tokens costs little more than
+scoring one token (Leviathan et al. 2023, Sec. 3.4: the cost ratio of a forward of k+1 tokens to a
+forward of one). On a GPU that holds by memory-boundedness. On a CPU it does not with the default
+kernel: torch's fp32 `F.linear` calls MKL sgemm, which re-packs the weight matrix on every call
+with more than one row; measured here (2 cores, SmolLM2-135M, fp32) a 2-token forward cost 1.6-1.7x
+a 1-token forward and a 4-token forward 1.7-2.1x. Packing each weight once into oneDNN's blocked
+layout (what torch.compile's inductor does for frozen CPU linears) makes the 1/2/4/8-token forwards
+cost 82/101/116/127 ms instead of 81/137/166/167 ms.
+
+`PackedLinears(model)` packs every fp32 `nn.Linear` of a model once; `with packed.active():` swaps
+their forwards for the packed kernel and restores the originals on exit, so the user's model object
+is left unchanged for other code (e.g. transformers' generate). The packed copy costs one extra copy
+of the linear weights in memory. A layer whose weight changes (in place or replaced) is repacked on the next use. Results agree with `F.linear` to fp32 rounding (not bit for bit:
+the summation order differs, as it already does between MKL calls of different widths).
+Used by target.py on CPU (TargetConfig.pack_linears). Left out: bf16/fp16 weights (fp32 only),
+training (with autograd enabled a layer falls back to F.linear), GPUs (not needed).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator
+
+import torch
+from torch import nn
+
+
+def packing_available() -> bool:
+    """True if this torch build has the oneDNN (mkldnn) CPU linear ops."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _eligible(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+
+
+def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias):
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+        if x2.shape[0] == 1 or (torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad)):
+            return nn.functional.linear(x, m.weight, m.bias)  # one row (MKL's gemv is faster) / autograd
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")  # (M, out)
+        return y.view(*x.shape[:-1], m.out_features)
+    return forward
+
+
+class PackedLinears:
+    """The fp32 CPU `nn.Linear` layers of a model, packed once for oneDNN."""
+
+    def __init__(self, model: nn.Module):
+        if not packing_available():
+            raise ValueError("this torch build has no oneDNN (mkldnn) linear ops: cannot pack linears")
+        self._forwards: Dict[nn.Linear, object] = {}
+        self._versions: Dict[nn.Linear, tuple] = {}  # weights changed since packing -> repack
+        for m in model.modules():
+            if _eligible(m):
+                self._pack(m)
+
+    def _pack(self, m: nn.Linear) -> None:
+        w = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        b = None if m.bias is None else m.bias.detach()
+        self._forwards[m] = _packed_forward(m, w, b)
+        self._versions[m] = self._version_of(m)
+
+    @staticmethod
+    def _version_of(m: nn.Linear) -> tuple:
+        def v(t):  # inference tensors keep no version counter: only a replacement is seen
+            return None if t is None else (t.data_ptr(), -1 if t.is_inference() else t._version)
+        return v(m.weight), v(m.bias)
+
+    def __len__(self) -> int:
+        return len(self._forwards)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within the block, every packed layer runs the packed kernel (repacked first if its weight
+        was modified in place or replaced since it was packed)."""
+        for m in list(self._forwards):
+            if not _eligible(m):  # moved to another device or dtype: no longer ours to pack
+                del self._forwards[m], self._versions[m]
+            elif self._versions[m] != self._version_of(m):
+                self._pack(m)
+        for m, f in self._forwards.items():
+            m.__dict__["forward"] = f  # instance attribute shadows nn.Linear.forward
+        try:
+            yield
+        finally:
+            for m in self._forwards:
+                m.__dict__.pop("forward", None)

@@ -1,0 +1,70 @@
+"""Tests of the pre-packed CPU linears (specref/cpu_linear.py) and of the verify-cost fit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specref.cpu_linear import PackedLinears, packing_available
+from specref.draft_eval import measure_verify_cost
+from specref.generate import autoregressive_generate
+from specref.models import tiny_model
+from specref.target import Target, TargetConfig
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+
+
+def test_packed_matches_plain_and_restores_the_model():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 80)
+    packed = PackedLinears(torch.nn.Sequential(lin))
+    assert len(packed) == 1
+    with torch.no_grad():
+        for shape in [(1, 48), (2, 48), (3, 5, 48), (7, 48)]:
+            x = torch.randn(*shape)
+            ref = lin(x)
+            with packed.active():
+                got = lin(x)
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert "forward" not in lin.__dict__  # the module is left as it was
+
+
+def test_repacks_after_an_in_place_weight_change():
+    lin = torch.nn.Linear(16, 16, bias=False)
+    packed = PackedLinears(torch.nn.Sequential(lin))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+        with packed.active():
+            got = lin(x)
+    torch.testing.assert_close(got, x @ lin.weight.detach().T, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_falls_back_to_the_plain_kernel():
+    lin = torch.nn.Linear(16, 8)
+    packed = PackedLinears(torch.nn.Sequential(lin))
+    x = torch.randn(3, 16, requires_grad=True)
+    with packed.active():
+        lin(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
+def test_target_greedy_identical_with_and_without_packing():
+    m = tiny_model("llama", vocab_size=128, seed=3, init_std=0.2, logit_scale=2.0)
+    prompt = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(1))
+    a = autoregressive_generate(Target(m), prompt, max_new_tokens=12, temperature=0)
+    b = autoregressive_generate(Target(m, TargetConfig(pack_linears=False)), prompt, max_new_tokens=12,
+                                temperature=0)
+    assert Target(m).packed is not None and Target(m, TargetConfig(pack_linears=False)).packed is None
+    assert torch.equal(a.tokens, b.tokens)
+    with pytest.raises(ValueError):
+        Target(m, TargetConfig(pack_linears=True, compile=True))
+
+
+def test_measure_verify_cost_fits_the_model():
+    m = tiny_model("llama", vocab_size=128, seed=3)
+    vc = measure_verify_cost(Target(m), 4, cache_len=16, reps=3)
+    assert len(vc["ratios"]) == 5 and vc["ratios"][0] == 1.0
+    assert vc["c"] >= 0 and vc["c0"] >= 0 and vc["t1"] > 0
+    with pytest.raises(ValueError):
+        measure_verify_cost(Target(m), 0)
