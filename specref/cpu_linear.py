@@ -77,10 +77,11 @@ class PackedLinears:
         """Within the block, every packed layer runs the packed kernel (repacked first if its weight
         was modified in place or replaced since it was packed)."""
         for m in list(self._forwards):
-            if not _eligible(m):  # moved to another device or dtype: no longer ours to pack
-                del self._forwards[m], self._versions[m]
-            elif self._versions[m] != self._version_of(m):
-                self._pack(m)
+            if self._versions[m] != self._version_of(m):  # modified, replaced, moved or cast
+                if _eligible(m):
+                    self._pack(m)
+                else:  # now on another device or in another dtype: no longer ours to pack
+                    del self._forwards[m], self._versions[m]
         for m, f in self._forwards.items():
             m.__dict__["forward"] = f  # instance attribute shadows nn.Linear.forward
         try:

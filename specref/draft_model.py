@@ -74,7 +74,7 @@ class DraftModelProposer:
         B, T = ctx.tokens.shape
         self.cache = self.lm.new_cache(B, T + self.k + 2)
         P = int(ctx.lengths.max()) - 1
-        self.lm.prefill(self.cache, ctx.tokens[:, :P], ctx.lengths - 1)
+        self.lm.prefill(self.cache, ctx.tokens[:, :P], ctx.lengths - 1, logits=False)
         self.done = ctx.lengths - 1  # (B,)
 
     @torch.no_grad()

@@ -193,7 +193,7 @@ def speculative_generate(
     # 0. prefill every prompt token but the last, which opens the first verify block
     t0 = time.perf_counter()
     P = int(prompt_len.max()) - 1
-    tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1)
+    tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False)
     _sync(dev)
     stats.prefill_time = time.perf_counter() - t0
     proposer.begin(ctx, sampling, generator)

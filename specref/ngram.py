@@ -32,7 +32,8 @@ expected speed-up of the i.i.d. model (Leviathan et al. 2023, Eq. 1 and Theorem 
 with c = `draft_cost`, the verify cost of one more draft token relative to one target step, and
 c0 = `verify_cost_fixed`, the extra cost of ANY block of two or more tokens over a one-token step
 (on CPUs the kernels of one-row and multi-row matrix products differ: measured here 0.15-0.25;
-about 0 on GPUs). `measure_verify_cost(target)` fits both on the machine at hand. The
+about 0 on GPUs). `draft_eval.measure_verify_cost(target, k)` fits both on the machine at hand.
+A row drafts only where the best expected speed-up is at least 1 + `min_gain`. The
 estimate comes from "shadow" drafts: the full match continuation is compared with the tokens that
 were actually emitted, also where fewer (or no) tokens were drafted; this costs nothing and is an
 unbiased sample of acceptance, because for a deterministic draft token x the emitted token equals x
@@ -69,6 +70,8 @@ class NgramConfig:
     adaptive: bool = False  # False: always draft min(k, continuation) (vLLM); True: see module doc
     draft_cost: float = 0.06  # c: verify cost of one more token / one target step (DESIGN: ~0.06 CPU)
     verify_cost_fixed: float = 0.2  # c0: extra cost of a multi-token block over a 1-token step
+    min_gain: float = 0.05  # adaptive: draft only where the expected speed-up is >= 1 + min_gain
+    # (a margin for what the i.i.d. model and the measured costs get wrong)
     memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate a
 
@@ -76,7 +79,7 @@ class NgramConfig:
         _check_nk(self.min_n, self.max_n, self.k)
         if self.match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {self.match!r}")
-        for name in ("draft_cost", "verify_cost_fixed"):
+        for name in ("draft_cost", "verify_cost_fixed", "min_gain"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0.0 <= v < float("inf")):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -154,14 +157,15 @@ def propose_ngram(context: ArrayLike, *, min_n: int, max_n: int, k: int,
     return draft[0, : int(n[0])]  # (n,)
 
 
-def best_draft_length(a: np.ndarray, k: int, c: float, c0: float = 0.0) -> np.ndarray:
+def best_draft_length(a: np.ndarray, k: int, c: float, c0: float = 0.0, min_gain: float = 0.0) -> np.ndarray:
     """argmax over k' in 0..k of (1 - a^(k'+1)) / ((1 - a)(1 + c0 [k' > 0] + c k')), per row;
-    ties -> shorter."""
+    ties -> shorter; 0 unless the best expected speed-up is at least 1 + min_gain."""
     kk = np.arange(k + 1)  # (k+1,)
     a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0 - 1e-9)[:, None]  # (B, 1)
     cost = 1.0 + c0 * (kk > 0) + c * kk  # (k+1,) verify cost of a block of k'+1 tokens
     speedup = (1.0 - a ** (kk + 1)) / ((1.0 - a) * cost)  # (B, k+1)
-    return speedup.argmax(axis=1).astype(np.int64)  # (B,) first maximum = shortest
+    best = speedup.argmax(axis=1).astype(np.int64)  # (B,) first maximum = shortest
+    return np.where(speedup.max(axis=1) >= 1.0 + min_gain, best, 0)  # (B,)
 
 
 class NgramProposer:
@@ -202,7 +206,8 @@ class NgramProposer:
         self._shadow = (shadow, shadow_len, lens)
         n = shadow_len
         if cfg.adaptive:
-            n = np.minimum(n, best_draft_length(self.acceptance, cfg.k, cfg.draft_cost, cfg.verify_cost_fixed))  # (B,)
+            n = np.minimum(n, best_draft_length(self.acceptance, cfg.k, cfg.draft_cost, cfg.verify_cost_fixed,
+                                             cfg.min_gain))  # (B,)
         K = int(n.max()) if B else 0
         draft = np.where(np.arange(K)[None, :] < n[:, None], shadow[:, :K], -1)  # (B, K)
         dev = ctx.tokens.device

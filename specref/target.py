@@ -97,6 +97,7 @@ class Target:
         self.num_layers = int(model.config.num_hidden_layers)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.packed: Optional[PackedLinears] = None
@@ -117,16 +118,20 @@ class Target:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
         return SpecCache(self.num_layers, batch, max_len, self.device)
 
-    def _eager_forward(self, cache: SpecCache, tokens, positions, mask) -> BlockOutput:
+    def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True) -> BlockOutput:
         want_hidden = self.config.hidden_layers is not None
-        with (self.packed.active() if self.packed is not None else contextlib.nullcontext()):
+        extra = {} if keep_logits or not self._keep_kw else {"logits_to_keep": 1}  # skip the LM head
+        one_row = tokens.shape[0] * tokens.shape[1] == 1  # a single row: MKL's gemv is the faster kernel
+        with (self.packed.active() if self.packed is not None and not one_row else contextlib.nullcontext()):
             out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                             use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache})
+                             use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache},
+                             **extra)
         hidden = None
         if want_hidden:
             hs = out.hidden_states  # tuple of (B, Q, D), embeddings first, last one normed
             hidden = torch.cat([hs[i] for i in self.config.hidden_layers], dim=-1)  # (B, Q, L*D)
-        return BlockOutput(logits=out.logits.float(), hidden=hidden)
+        logits = out.logits.float() if keep_logits else out.logits.new_zeros(tokens.shape[0], 0, self.vocab_size)
+        return BlockOutput(logits=logits, hidden=hidden)
 
     @torch.no_grad()
     def forward_block(self, cache: SpecCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -155,8 +160,12 @@ class Target:
 
     # -- the three block shapes generate.py uses ------------------------------------------------
     @torch.no_grad()
-    def prefill(self, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor) -> BlockOutput:
-        """Write tokens[b, :lengths[b]] of every row (right-padded (B, T)) and commit them."""
+    def prefill(self, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor,
+                logits: bool = True) -> BlockOutput:
+        """Write tokens[b, :lengths[b]] of every row (right-padded (B, T)) and commit them.
+
+        Returns the logits (B, T, V) (hidden states too if configured); logits=False skips the LM
+        head where the model allows (`logits_to_keep`) and returns logits of shape (B, 0, V)."""
         B, T = tokens.shape
         if T == 0:
             return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=tokens.device))
@@ -167,7 +176,8 @@ class Target:
         cache.set_block_slots(slots)
         cache.attend_len = None if S == cache.max_len else S
         try:
-            out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype))
+            out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype),
+                                      keep_logits=logits)
         finally:
             cache.attend_len = None
         cache.commit(lengths)

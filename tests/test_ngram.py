@@ -218,5 +218,10 @@ def test_best_draft_length_fixed_block_cost():
     # a = 0.8: worth it either way; the fixed cost, amortised, even favours a longer block
     assert best_draft_length(np.array([0.8]), 8, 0.06).tolist() == [7]
     assert best_draft_length(np.array([0.8]), 8, 0.06, 0.25).tolist() == [8]
+    # min_gain: a = 0.2, c = 0.06 gains 13% at best: drafted with a 5% margin, not with a 20% one
+    assert best_draft_length(np.array([0.2]), 5, 0.06, 0.0, 0.05).tolist() == [1]
+    assert best_draft_length(np.array([0.2]), 5, 0.06, 0.0, 0.2).tolist() == [0]
     with pytest.raises(ValueError):
         NgramConfig(verify_cost_fixed=-0.1)
+    with pytest.raises(ValueError):
+        NgramConfig(min_gain=float("nan"))
