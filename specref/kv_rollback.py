@@ -61,7 +61,7 @@ class _RowLayer(CacheLayerMixin):
         return self.keys[:, :, :n], self.values[:, :, :n]  # (B, H, n, D): slots >= n unused by all rows
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.max_len, 0
+        return self.owner.get_mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         return self.owner.max_len if self.is_initialized else 0
@@ -162,7 +162,7 @@ class SpecCache(Cache):
         return int(self.lengths.max()) if self.batch else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.max_len, 0
+        return (self.max_len if self.attend_len is None else self.attend_len), 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return self.max_len

@@ -121,7 +121,7 @@ class Target:
     def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True) -> BlockOutput:
         want_hidden = self.config.hidden_layers is not None
         extra = {} if keep_logits or not self._keep_kw else {"logits_to_keep": 1}  # skip the LM head
-        one_row = tokens.shape[0] * tokens.shape[1] == 1  # a single row: MKL's gemv is the faster kernel
+        one_row = tokens.shape[0] * tokens.shape[1] == 1
         with (self.packed.active() if self.packed is not None and not one_row else contextlib.nullcontext()):
             out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                              use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache},
@@ -148,6 +148,8 @@ class Target:
                              f"least up to the block's last slot {int(cache.block_slots.max())}")
         cache.attend_len = None if S == cache.max_len else S
         mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
+        if tokens.shape[0] * tokens.shape[1] == 1 and cache.attend_len is not None and bool(allowed.all()):
+            mask = None  # one row, one token seeing every attended slot: the model needs no mask
         try:
             return self._forward(cache, tokens, positions, mask)
         finally:
