@@ -20,6 +20,7 @@ training (with autograd enabled a layer falls back to F.linear), GPUs (not neede
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, Iterator
 
 import torch
@@ -46,7 +47,19 @@ def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias):
 
 
 class PackedLinears:
-    """The fp32 CPU `nn.Linear` layers of a model, packed once for oneDNN."""
+    """The fp32 CPU `nn.Linear` layers of a model, packed once for oneDNN.
+
+    `PackedLinears.of(model)` returns the one packing of a model (kept while the model lives), so
+    every Target built on it, one per generate call or a draft sharing the target, shares it."""
+
+    _of: "weakref.WeakKeyDictionary[nn.Module, PackedLinears]" = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "PackedLinears":
+        packed = cls._of.get(model)
+        if packed is None:  # the value holds the model's layers, not the model: the key can die
+            packed = cls._of[model] = cls(model)
+        return packed
 
     def __init__(self, model: nn.Module):
         if not packing_available():

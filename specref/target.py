@@ -105,7 +105,7 @@ class Target:
                                    and self.device.type == "cpu" and packing_available()):
             if config.compile:
                 raise ValueError("pack_linears and compile are exclusive (inductor packs its own weights)")
-            self.packed = PackedLinears(model)
+            self.packed = PackedLinears.of(model)
             if config.pack_linears and not len(self.packed):
                 raise ValueError(f"pack_linears=True but {name} has no fp32 CPU nn.Linear layers")
         self._forward = self._eager_forward

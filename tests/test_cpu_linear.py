@@ -68,3 +68,15 @@ def test_measure_verify_cost_fits_the_model():
     assert vc["c"] >= 0 and vc["c0"] >= 0 and vc["t1"] > 0
     with pytest.raises(ValueError):
         measure_verify_cost(Target(m), 0)
+
+
+def test_one_packing_per_model_shared_by_targets():
+    import gc
+    import weakref
+
+    m = tiny_model("llama", vocab_size=64, seed=1)
+    assert Target(m).packed is Target(m).packed
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None  # the cache does not keep the model alive
