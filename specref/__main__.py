@@ -57,9 +57,10 @@ def _proposer(name: str, model, k: int):
     raise ValueError(f"unknown draft {name!r}: use 'ngram', 'truncated[:L]' or a local model folder")
 
 
-def _report(label, out, base_time=None, tokenizer=None):
+def _report(label, out, base_rate=None, tokenizer=None):
     s = out.stats
-    speed = f"  speed-up {base_time / s.wall_time:.2f}x" if base_time else ""
+    # tokens/s ratio: sampled runs may stop at different lengths, so wall times alone do not compare
+    speed = f"  speed-up {s.tokens_per_second / base_rate:.2f}x (tokens/s)" if base_rate else ""
     print(f"[{label}] {int(out.num_tokens.sum())} tokens in {s.wall_time:.2f}s "
           f"({s.tokens_per_second:.1f} tok/s), {s.target_forwards} target forwards, "
           f"tokens/forward {s.tokens_per_forward:.2f}{speed}")
@@ -88,7 +89,7 @@ def demo(args) -> int:
                                     temperature=temp, eos_token_id=eos, seed=0)
         print(tok.decode(spec.row(0), skip_special_tokens=True))
         _report("autoregressive", base)
-        _report(f"speculative ({args.draft}, k={args.k})", spec, base.stats.wall_time)
+        _report(f"speculative ({args.draft}, k={args.k})", spec, base.stats.tokens_per_second)
         if temp == 0:
             same = spec.row(0) == base.row(0)
             print(f"    greedy output identical to autoregressive: {same}")
