@@ -12,8 +12,10 @@ cost 82/101/116/127 ms instead of 81/137/166/167 ms.
 `PackedLinears(model)` packs every fp32 `nn.Linear` of a model once; `with packed.active():` swaps
 their forwards for the packed kernel and restores the originals on exit, so the user's model object
 is left unchanged for other code (e.g. transformers' generate). The packed copy costs one extra copy
-of the linear weights in memory. A layer whose weight changes (in place or replaced) is repacked on the next use. Results agree with `F.linear` to fp32 rounding (not bit for bit:
-the summation order differs, as it already does between MKL calls of different widths).
+of the linear weights in memory. A layer whose weight changes (in place or replaced) is repacked on
+the next use. One-row inputs keep `F.linear` (MKL's gemv was as fast or faster at M = 1 here).
+Results agree with `F.linear` to fp32 rounding (not bit for bit: the summation order differs, as it
+already does between MKL calls of different widths).
 Used by target.py on CPU (TargetConfig.pack_linears). Left out: bf16/fp16 weights (fp32 only),
 training (with autograd enabled a layer falls back to F.linear), GPUs (not needed).
 """

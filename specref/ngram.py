@@ -32,8 +32,9 @@ expected speed-up of the i.i.d. model (Leviathan et al. 2023, Eq. 1 and Theorem 
 with c = `draft_cost`, the verify cost of one more draft token relative to one target step, and
 c0 = `verify_cost_fixed`, the extra cost of ANY block of two or more tokens over a one-token step
 (on CPUs the kernels of one-row and multi-row matrix products differ: measured here ~0.6 with
-torch's default kernels, 0.0-0.09 with target.py's packed linears; about 0 on GPUs). `draft_eval.measure_verify_cost(target, k)` fits both on the machine at hand.
-A row drafts only where the best expected speed-up is at least 1 + `min_gain`. The
+torch's default kernels, 0.0-0.14 with target.py's packed linears; about 0 on GPUs).
+`draft_eval.measure_verify_cost(target, k)` fits both on the machine at hand. A row drafts only
+where the best expected speed-up is at least 1 + `min_gain`. The
 estimate comes from "shadow" drafts: the full match continuation is compared with the tokens that
 were actually emitted, also where fewer (or no) tokens were drafted; this costs nothing and is an
 unbiased sample of acceptance, because for a deterministic draft token x the emitted token equals x
@@ -65,13 +66,13 @@ class NgramConfig:
 
     min_n: int = 2  # shortest suffix n-gram to match (vLLM defaults both to 5; 1 matches noise)
     max_n: int = 5  # longest suffix n-gram to match, tried first (vLLM's default)
-    k: int = 5  # the most tokens drafted per row and step (a chain of 5 verifies in ~1.3 steps here)
+    k: int = 5  # the most tokens drafted per row and step (a chain of 5 verifies in ~1.1 steps here)
     match: str = "earliest"  # which occurrence of the n-gram: "earliest" (vLLM) or "latest"
     adaptive: bool = False  # False: always draft min(k, continuation) (vLLM); True: see module doc
     draft_cost: float = 0.04  # c: verify cost of one more token / one target step (measured here:
     # 0.03-0.04 on 2 CPU cores with packed linears, SmolLM2-135M; DESIGN's estimate was ~0.06)
     verify_cost_fixed: float = 0.05  # c0: extra cost of a multi-token block over a 1-token step
-    # (measured here 0.0-0.09 with packed linears; 0.6 without them)
+    # (measured here 0.0-0.14 with packed linears; ~0.6 without them)
     min_gain: float = 0.05  # adaptive: draft only where the expected speed-up is >= 1 + min_gain
     # (a margin for what the i.i.d. model and the measured costs get wrong)
     memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
