@@ -37,6 +37,26 @@ def spec_bench_questions(path=SPEC_BENCH, per_category: Optional[int] = 2) -> Li
 
 
 @torch.no_grad()
+def _median_block_times(t, widths: List[int], cache_len: int, reps: int, warmup: int) -> Dict[int, float]:
+    """Median seconds of a verify forward of a random block of each width (1 row), on a cache
+    holding `cache_len` tokens; widths interleaved within each round, `warmup` rounds untimed."""
+    cache = t.new_cache(1, cache_len + max(widths) + 2)
+    g = torch.Generator().manual_seed(0)
+    hi = min(1000, t.vocab_size)
+    t.prefill(cache, torch.randint(0, hi, (1, cache_len), generator=g).to(t.device),
+              torch.tensor([cache_len], device=t.device), logits=False)
+    times: Dict[int, List[float]] = {w: [] for w in widths}
+    for i in range(warmup + reps):
+        for w in widths:
+            blk = torch.randint(0, hi, (1, w), generator=g).to(t.device)  # (1, w)
+            a = time.perf_counter()
+            t.verify_chain(cache, blk)
+            if i >= warmup:
+                times[w].append(time.perf_counter() - a)
+            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
+    return {w: statistics.median(ts) for w, ts in times.items()}
+
+
 def measure_cost(target, draft, cache_len: int = 200, reps: int = 15) -> Dict[str, float]:
     """Median seconds of one 1-token forward of the target and of the draft; c = their ratio."""
     from .target import Target
@@ -44,20 +64,10 @@ def measure_cost(target, draft, cache_len: int = 200, reps: int = 15) -> Dict[st
     times = {}
     for name, m in (("target", target), ("draft", draft)):
         t = m if isinstance(m, Target) else Target(m, name=name)
-        cache = t.new_cache(1, cache_len + 8)
-        t.prefill(cache, torch.randint(0, 1000, (1, cache_len), device=t.device),
-                  torch.tensor([cache_len], device=t.device))
-        ts = []
-        for i in range(reps + 2):
-            a = time.perf_counter()
-            t.verify_chain(cache, torch.randint(0, 1000, (1, 1), device=t.device))
-            ts.append(time.perf_counter() - a)
-            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
-        times[name] = statistics.median(ts[2:])
+        times[name] = _median_block_times(t, [1], cache_len, reps, warmup=2)[1]
     return {"t_target": times["target"], "t_draft": times["draft"], "c": times["draft"] / times["target"]}
 
 
-@torch.no_grad()
 def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> Dict[str, float]:
     """Fit the verify-cost model cost(W) = 1 + c0 [W > 1] + c (W - 1) of a block of W tokens,
     relative to a 1-token forward, from median timings of W = 1..k+1 on a `cache_len` cache
@@ -69,22 +79,10 @@ def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> 
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     t = target if isinstance(target, Target) else Target(target)
-    cache = t.new_cache(1, cache_len + k + 2)
-    g = torch.Generator().manual_seed(0)
-    t.prefill(cache, torch.randint(0, min(1000, t.vocab_size), (1, cache_len), generator=g).to(t.device),
-              torch.tensor([cache_len], device=t.device))
     widths = list(range(1, k + 2))
-    times: Dict[int, List[float]] = {w: [] for w in widths}
-    for i in range(reps + 1):
-        for w in widths:
-            blk = torch.randint(0, min(1000, t.vocab_size), (1, w), generator=g).to(t.device)
-            a = time.perf_counter()
-            t.verify_chain(cache, blk)
-            if i:  # the first round warms up
-                times[w].append(time.perf_counter() - a)
-            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
-    t1 = statistics.median(times[1])
-    ratios = [statistics.median(times[w]) / t1 for w in widths]
+    med = _median_block_times(t, widths, cache_len, reps, warmup=1)
+    t1 = med[1]
+    ratios = [med[w] / t1 for w in widths]
     if k == 1:
         return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "t1": t1, "ratios": ratios}
     x = torch.tensor([w - 1.0 for w in widths[1:]], dtype=torch.float64)  # extra tokens, W >= 2

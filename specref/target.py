@@ -146,12 +146,19 @@ class Target:
         if S != cache.max_len and (self.config.compile or S < int(cache.block_slots.max()) + 1):
             raise ValueError(f"allowed covers {S} slots: need all {cache.max_len} under compile, else at "
                              f"least up to the block's last slot {int(cache.block_slots.max())}")
-        cache.attend_len = None if S == cache.max_len else S
         mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
-        if tokens.shape[0] * tokens.shape[1] == 1 and cache.attend_len is not None and bool(allowed.all()):
+        if tokens.shape[0] * tokens.shape[1] == 1 and S != cache.max_len and bool(allowed.all()):
             mask = None  # one row, one token seeing every attended slot: the model needs no mask
-        try:
+        with self._attending(cache, S):
             return self._forward(cache, tokens, positions, mask)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _attending(cache: SpecCache, S: int):
+        """During one forward, the cache hands the model its first S slots (all of them: None)."""
+        cache.attend_len = None if S == cache.max_len else S
+        try:
+            yield
         finally:
             cache.attend_len = None
 
@@ -176,12 +183,9 @@ class Target:
         ar = torch.arange(S, device=tokens.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, T, S) causal over own row
         cache.set_block_slots(slots)
-        cache.attend_len = None if S == cache.max_len else S
-        try:
+        with self._attending(cache, S):
             out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype),
                                       keep_logits=logits)
-        finally:
-            cache.attend_len = None
         cache.commit(lengths)
         return out
 
