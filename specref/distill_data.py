@@ -4,7 +4,11 @@ Drafts and heads are trained on what the target itself writes (Medusa-2's and EA
 "self-distillation", Cai et al. 2024 Sec. 3.3; Li et al. 2024): the target answers a seed list of
 instructions (specref/data/instructions.jsonl: hand-written templates x topics, never Spec-Bench)
 with specref's own `autoregressive_generate`, batched and left-padded, at a configured temperature.
-Then one frozen forward of the target over each prompt + response stores the target's top-k
+An optional second stage (`passage_prompts`) quotes the target's own first-stage answers as
+passages in new instructions (summarise, answer questions about, rewrite, proofread, translate,
+compare two texts): prompts of a few hundred tokens whose answers copy from the context, as
+Spec-Bench's summarisation / RAG / extraction / translation prompts do, without any evaluation
+text. Then one frozen forward of the target over each prompt + response stores the target's top-k
 log-probabilities at every response position, so training distils against p without running the
 target again (storing them once costs one parallel forward per sequence; recomputing them would
 cost a target forward per batch per epoch, ~15x the draft's own training step).
@@ -16,7 +20,8 @@ distribution that predicted its response token j), and `manifest.json` (seed, co
 fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
 the first missing shard, and read one at a time (`iter_sequences`).
 Left out: storing hidden states (heads that need them recompute them with the frozen target),
-mixing in external corpora, multi-turn conversations.
+mixing in external corpora (no suitable openly licensed corpus ships on PyPI for offline use;
+the passages are the target's own text), multi-turn conversations.
 """
 from __future__ import annotations
 
@@ -44,13 +49,16 @@ class DistillConfig:
     batch_size: int = 16  # prompts generated together
     shard_size: int = 64  # sequences per shard file
     topk: int = 32  # target top-k log-probs stored per response position (0: none)
+    passage_prompts: int = 0  # second stage: prompts that quote the target's own first-stage
+    # answers as a passage (summarise / answer about / rewrite / proofread / translate it)
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.topk, int) or self.topk < 0:
-            raise ValueError(f"topk must be an int >= 0, got {self.topk!r}")
+        for name in ("topk", "passage_prompts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
 
@@ -192,12 +200,13 @@ def read_shard(path) -> List[Seq]:
 
 
 def shard_paths(folder) -> List[Path]:
-    return sorted(Path(folder).glob("shard_*.safetensors"))
+    """The shards of a data folder: first-stage ones (shard_#####) first, then second-stage ones."""
+    return sorted(Path(folder).glob("shard_*.safetensors"), key=lambda p: (p.name.startswith("shard_p"), p.name))
 
 
-def iter_sequences(folder) -> Iterator[Seq]:
-    """Stream every sequence of a data folder, one shard in memory at a time."""
-    for p in shard_paths(folder):
+def iter_sequences(folder, paths: Optional[Sequence[Path]] = None) -> Iterator[Seq]:
+    """Stream every sequence of a data folder (or of the given shards), one shard in memory at a time."""
+    for p in (shard_paths(folder) if paths is None else paths):
         yield from read_shard(p)
 
 
@@ -216,13 +225,50 @@ def _eos_ids(model, tokenizer) -> List[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+PASSAGE_TEMPLATES = (  # written for specref; {p} is one passage, {a} / {b} two
+    ("summarization", "Summarize the following text in two or three sentences.\n\n{p}"),
+    ("summarization", "Write a one-paragraph summary of this text for a busy reader.\n\nText: {p}"),
+    ("rag", "Read the passage and answer the question.\n\nPassage: {p}\n\nQuestion: What are the main "
+            "points of the passage?"),
+    ("rag", "Use only the information in the text below to answer: what does it say, and what does it "
+            "leave out?\n\n{p}"),
+    ("extraction", "Extract the key facts and names from this text as a bulleted list.\n\n{p}"),
+    ("extraction", "List every number, date or quantity mentioned in the following text, with what it "
+                   "refers to.\n\n{p}"),
+    ("writing", "Rewrite the following text so that a ten-year-old could understand it.\n\n{p}"),
+    ("writing", "Proofread the following text and return the corrected version.\n\n{p}"),
+    ("translation", "Translate the following text into French.\n\n{p}"),
+    ("translation", "Translate the following text into Spanish.\n\n{p}"),
+    ("translation", "Translate the first two sentences of this text into German.\n\n{p}"),
+    ("writing", "Give the following text a title, then explain in one sentence why it fits.\n\n{p}"),
+    ("summarization", "Here are two texts.\n\nText A: {a}\n\nText B: {b}\n\nSummarize both in one "
+                      "paragraph."),
+    ("rag", "Text A: {a}\n\nText B: {b}\n\nWhat do these two texts have in common, and how do they "
+            "differ?"),
+)
+
+
+def passage_instructions(texts: Sequence[str], n: int, seed: int = 0, min_chars: int = 200) -> List[dict]:
+    """n instructions quoting passages from `texts` (the target's own answers), templates in turn.
+
+    Passages are texts of at least min_chars characters, whitespace-trimmed; a template with two
+    passages draws two different ones. Deterministic in (texts, n, seed)."""
+    pool = [t.strip() for t in texts if len(t.strip()) >= min_chars]
+    if n and len(pool) < 2:
+        raise ValueError(f"need at least 2 answers of >= {min_chars} characters to quote, got {len(pool)}")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        cat, tpl = PASSAGE_TEMPLATES[i % len(PASSAGE_TEMPLATES)]
+        a, b = torch.randperm(len(pool), generator=g)[:2].tolist()
+        rows.append({"id": 100000 + i, "category": "passage_" + cat,
+                     "instruction": tpl.format(p=pool[a], a=pool[a], b=pool[b])})
+    return rows
+
+
 def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
             instructions_path=INSTRUCTIONS, progress: bool = True) -> dict:
     """Generate (or finish generating) the self-distilled data in out_dir; returns the manifest."""
-    from tqdm.auto import tqdm
-
-    from .generate import autoregressive_generate
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = load_instructions(instructions_path, config.num_instructions, config.seed)
@@ -231,7 +277,7 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         "instructions": str(Path(instructions_path).name), "num_instructions": len(rows),
         "model_fingerprint": fingerprint(model), "model": getattr(model.config, "_name_or_path", ""),
         "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
-        "corpora": "none (self-distilled only)",
+        "corpora": "none (self-distilled only; second-stage passages are the target's own answers)",
     }
     old = out / "manifest.json"
     if old.is_file():
@@ -240,13 +286,39 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         if same != {k: manifest[k] for k in same}:
             raise ValueError(f"{out} holds data made with other settings or another model; "
                              "use a new folder")
+    _distill_rows(model, tokenizer, out, "shard_", rows, config, progress, "self-distillation")
+    if config.passage_prompts:
+        first = [p for p in shard_paths(out) if not p.name.startswith("shard_p")]
+        texts = [tokenizer.decode(q.tokens[q.prompt_len:].tolist(), skip_special_tokens=True)
+                 for q in iter_sequences(out, first)]
+        rows2 = passage_instructions(texts, config.passage_prompts, config.seed)
+        _distill_rows(model, tokenizer, out, "shard_p", rows2, config, progress, "passage prompts")
+    counts = {"sequences": 0, "tokens": 0, "response_tokens": 0}
+    for q in iter_sequences(out):
+        counts["sequences"] += 1
+        counts["tokens"] += len(q.tokens)
+        counts["response_tokens"] += len(q.tokens) - q.prompt_len
+    manifest["counts"] = counts
+    manifest["shards"] = len(shard_paths(out))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], config: DistillConfig,
+                  progress: bool, desc: str) -> None:
+    """Answer `rows` with the target into shards `<prefix>#####` (existing shards are kept)."""
+    from tqdm.auto import tqdm
+
+    from .generate import autoregressive_generate
+
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     n_shards = (len(rows) + config.shard_size - 1) // config.shard_size
-    bar = tqdm(total=len(rows), desc="self-distillation", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress)
     dev = next(model.parameters()).device
+    salt = 0 if prefix == "shard_" else 7919  # stage 2 samples with other seeds (temperature > 0)
     for s in range(n_shards):
-        path = out / f"shard_{s:05d}.safetensors"
+        path = out / f"{prefix}{s:05d}.safetensors"
         group = rows[s * config.shard_size: (s + 1) * config.shard_size]
         if path.is_file():
             bar.update(len(group))
@@ -259,7 +331,7 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
             ids, mask = left_pad([prompts[i] for i in idx], pad)  # (B, T)
             gen = autoregressive_generate(model, ids.to(dev), mask.to(dev), max_new_tokens=config.max_new_tokens,
                                           temperature=config.temperature, eos_token_id=eos,
-                                          seed=config.seed * 100003 + s * 1009 + b0)
+                                          seed=config.seed * 100003 + (s + salt) * 1009 + b0)
             part = [Seq(torch.tensor(prompts[i] + gen.row(j)), len(prompts[i])) for j, i in enumerate(idx)]
             if config.topk:
                 batch = collate(part).to(dev)
@@ -272,12 +344,3 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
             bar.update(len(idx))
         write_shard(path, seqs)
     bar.close()
-    counts = {"sequences": 0, "tokens": 0, "response_tokens": 0}
-    for q in iter_sequences(out):
-        counts["sequences"] += 1
-        counts["tokens"] += len(q.tokens)
-        counts["response_tokens"] += len(q.tokens) - q.prompt_len
-    manifest["counts"] = counts
-    manifest["shards"] = n_shards
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return manifest

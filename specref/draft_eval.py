@@ -73,12 +73,19 @@ def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> 
     relative to a 1-token forward, from median timings of W = 1..k+1 on a `cache_len` cache
     (widths interleaved within each repetition, so drifting machine load hits them alike).
     Returns {"c": c, "c0": c0, "t1": seconds of a 1-token forward, "ratios": [cost(W) for W]}.
-    The adaptive n-gram proposer takes c as draft_cost and c0 as verify_cost_fixed."""
+    The adaptive n-gram proposer takes c as draft_cost and c0 as verify_cost_fixed.
+    Under compile (TargetConfig.compile) generate.py pads every drafted block to k+1 tokens, so a
+    block costs the same whatever its length: only W = 1 and k+1 are timed (two graphs, not k+1),
+    c = 0 and c0 = cost(k+1) - 1."""
     from .target import Target
 
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     t = target if isinstance(target, Target) else Target(target)
+    if t.config.compile:
+        med = _median_block_times(t, [1, k + 1], cache_len, reps, warmup=1)
+        r = med[k + 1] / med[1]
+        return {"c": 0.0, "c0": max(r - 1.0, 0.0), "t1": med[1], "ratios": [1.0] + [r] * k}
     widths = list(range(1, k + 2))
     med = _median_block_times(t, widths, cache_len, reps, warmup=1)
     t1 = med[1]

@@ -190,86 +190,87 @@ def speculative_generate(
     ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(), active=torch.ones(B, dtype=torch.bool, device=dev))
     cache = tgt.new_cache(B, max_len)
 
-    # 0. prefill every prompt token but the last, which opens the first verify block
-    t0 = time.perf_counter()
-    P = int(prompt_len.max()) - 1
-    tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False)
-    _sync(dev)
-    stats.prefill_time = time.perf_counter() - t0
-    proposer.begin(ctx, sampling, generator)
-    ar_B = torch.arange(B, device=dev)  # (B,)
-
-    while bool(ctx.active.any()):
-        # 1. draft
+    with tgt.session():  # CPU: packed linears swapped in once for every forward of the loop
+        # 0. prefill every prompt token but the last, which opens the first verify block
         t0 = time.perf_counter()
-        draft = proposer.propose(ctx, sampling, generator)
+        P = int(prompt_len.max()) - 1
+        tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False)
         _sync(dev)
-        t1 = time.perf_counter()
-        stats.draft_time += t1 - t0
-        budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
-        pending = ctx_tokens[ar_B, ctx.lengths - 1]  # (B,)
+        stats.prefill_time = time.perf_counter() - t0
+        proposer.begin(ctx, sampling, generator)
+        ar_B = torch.arange(B, device=dev)  # (B,)
 
-        # 2. verify and 3. accept
-        if draft.is_tree:
-            emitted, n_acc, path, lengths, depth_of = _verify_tree(tgt, cache, draft, pending, ctx.active,
-                                                                   sampling, generator, proposer)
-        else:
-            lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
-            emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k)
-            path, depth_of = None, None
-        W = emitted.shape[1]  # K+1 (chain) or D+1 (tree)
-        num_emit = torch.minimum(n_acc + 1, budget + 1) * ctx.active  # (B,)
-        if eos.numel():
-            is_eos = (emitted.unsqueeze(-1) == eos).any(-1)  # (B, K+1)
-            is_eos &= torch.arange(W, device=dev).view(1, -1) < num_emit.view(B, 1)
-            first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, num_emit)  # (B,)
-            num_emit = torch.minimum(num_emit, first)
-            hit_eos = is_eos.any(1)  # (B,)
-        else:
-            hit_eos = torch.zeros(B, dtype=torch.bool, device=dev)
-        _sync(dev)
-        stats.verify_time += time.perf_counter() - t1
+        while bool(ctx.active.any()):
+            # 1. draft
+            t0 = time.perf_counter()
+            draft = proposer.propose(ctx, sampling, generator)
+            _sync(dev)
+            t1 = time.perf_counter()
+            stats.draft_time += t1 - t0
+            budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
+            pending = ctx_tokens[ar_B, ctx.lengths - 1]  # (B,)
 
-        # 4. roll back: keep the pending token and the accepted drafts; the last emitted is pending
-        if path is None:
-            cache.commit(num_emit)
-        else:  # block offsets of the root and the accepted nodes, gathered to contiguous slots
-            offsets = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # (B, D+1)
-            cache.commit_path(offsets, num_emit)
-        j = torch.arange(W, device=dev).view(1, -1)  # (1, W)
-        write = j < num_emit.view(B, 1)  # (B, W)
-        r_idx = ar_B.view(B, 1).expand(B, W)[write]  # (E,) emitted tokens of all rows, flat
-        ctx_tokens[r_idx, (ctx.lengths.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
-        out_tokens[r_idx, (n_new.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
-        was_active = ctx.active.clone()
-        ctx.lengths += num_emit
-        n_new += num_emit
-        ctx.active &= ~hit_eos & (n_new < max_new_tokens)
-        proposer.update(ctx, torch.minimum(n_acc, (num_emit - 1).clamp(min=0)))
+            # 2. verify and 3. accept
+            if draft.is_tree:
+                emitted, n_acc, path, lengths, depth_of = _verify_tree(tgt, cache, draft, pending, ctx.active,
+                                                                       sampling, generator, proposer)
+            else:
+                lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
+                emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k)
+                path, depth_of = None, None
+            W = emitted.shape[1]  # K+1 (chain) or D+1 (tree)
+            num_emit = torch.minimum(n_acc + 1, budget + 1) * ctx.active  # (B,)
+            if eos.numel():
+                is_eos = (emitted.unsqueeze(-1) == eos).any(-1)  # (B, K+1)
+                is_eos &= torch.arange(W, device=dev).view(1, -1) < num_emit.view(B, 1)
+                first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, num_emit)  # (B,)
+                num_emit = torch.minimum(num_emit, first)
+                hit_eos = is_eos.any(1)  # (B,)
+            else:
+                hit_eos = torch.zeros(B, dtype=torch.bool, device=dev)
+            _sync(dev)
+            stats.verify_time += time.perf_counter() - t1
 
-        stats.target_forwards += 1
-        n_rows = int(was_active.sum())
-        stats.num_row_steps += n_rows
-        stats.num_emitted_tokens += int(num_emit.sum())
-        stats.num_drafts += int((lengths > 0).sum())
-        stats.num_draft_tokens += int(lengths.sum())
-        stats.num_accepted_tokens += int((n_acc * was_active).sum())
-        # acceptance per draft position (chain) or per depth (tree)
-        acc = (n_acc * was_active)  # (B,)
-        if depth_of is None:
-            K = int(lengths.max()) if B else 0
-            drafted = (torch.arange(K, device=dev).view(1, K) < lengths.view(B, 1)).sum(0)  # (K,)
-        else:
-            K = int(depth_of.max()) if depth_of.numel() else 0
-            deepest = depth_of.max(1).values if depth_of.shape[1] else torch.zeros_like(acc)  # (B,)
-            drafted = (torch.arange(K, device=dev).view(1, K) < deepest.view(B, 1)).sum(0)  # (K,) trees that deep
-        accepted = (torch.arange(K, device=dev).view(1, K) < acc.view(B, 1)).sum(0)  # (K,)
-        while len(stats.drafted_per_position) < K:
-            stats.drafted_per_position.append(0)
-            stats.accepted_per_position.append(0)
-        for i, (d_i, a_i) in enumerate(zip(drafted.tolist(), accepted.tolist())):
-            stats.drafted_per_position[i] += d_i
-            stats.accepted_per_position[i] += a_i
+            # 4. roll back: keep the pending token and the accepted drafts; the last emitted is pending
+            if path is None:
+                cache.commit(num_emit)
+            else:  # block offsets of the root and the accepted nodes, gathered to contiguous slots
+                offsets = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # (B, D+1)
+                cache.commit_path(offsets, num_emit)
+            j = torch.arange(W, device=dev).view(1, -1)  # (1, W)
+            write = j < num_emit.view(B, 1)  # (B, W)
+            r_idx = ar_B.view(B, 1).expand(B, W)[write]  # (E,) emitted tokens of all rows, flat
+            ctx_tokens[r_idx, (ctx.lengths.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
+            out_tokens[r_idx, (n_new.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
+            was_active = ctx.active.clone()
+            ctx.lengths += num_emit
+            n_new += num_emit
+            ctx.active &= ~hit_eos & (n_new < max_new_tokens)
+            proposer.update(ctx, torch.minimum(n_acc, (num_emit - 1).clamp(min=0)))
+
+            stats.target_forwards += 1
+            n_rows = int(was_active.sum())
+            stats.num_row_steps += n_rows
+            stats.num_emitted_tokens += int(num_emit.sum())
+            stats.num_drafts += int((lengths > 0).sum())
+            stats.num_draft_tokens += int(lengths.sum())
+            stats.num_accepted_tokens += int((n_acc * was_active).sum())
+            # acceptance per draft position (chain) or per depth (tree)
+            acc = (n_acc * was_active)  # (B,)
+            if depth_of is None:
+                K = int(lengths.max()) if B else 0
+                drafted = (torch.arange(K, device=dev).view(1, K) < lengths.view(B, 1)).sum(0)  # (K,)
+            else:
+                K = int(depth_of.max()) if depth_of.numel() else 0
+                deepest = depth_of.max(1).values if depth_of.shape[1] else torch.zeros_like(acc)  # (B,)
+                drafted = (torch.arange(K, device=dev).view(1, K) < deepest.view(B, 1)).sum(0)  # (K,) trees that deep
+            accepted = (torch.arange(K, device=dev).view(1, K) < acc.view(B, 1)).sum(0)  # (K,)
+            while len(stats.drafted_per_position) < K:
+                stats.drafted_per_position.append(0)
+                stats.accepted_per_position.append(0)
+            for i, (d_i, a_i) in enumerate(zip(drafted.tolist(), accepted.tolist())):
+                stats.drafted_per_position[i] += d_i
+                stats.accepted_per_position[i] += a_i
     stats.wall_time = time.perf_counter() - t_start
     return GenerationOutput(out_tokens, n_new, stats)
 

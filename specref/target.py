@@ -36,8 +36,10 @@ from .kv_rollback import SpecCache
 class TargetConfig:
     """Settings of the target wrapper."""
 
-    compile: bool = False  # run verify forwards under torch.compile (prefill stays eager); chain
-    # blocks are padded to a fixed width (generate.py: k+1) so one graph serves every step
+    compile: bool = False  # run verify forwards under torch.compile (prefill stays eager); drafted
+    # chain blocks are padded to k+1 (generate.py), so two graphs (1 and k+1 tokens) serve every
+    # step. On CPU the weights are frozen into the graph (inductor freezing): to change them, build
+    # a new Target (a changed weight raises ValueError at the next generation)
     pack_linears: Optional[bool] = None  # CPU fp32: run linears with weights pre-packed for oneDNN
     # (cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
     # it applies (CPU, fp32 linears, no compile); True requires it to apply
@@ -79,6 +81,11 @@ def check_causal_lm(model: torch.nn.Module, name: str = "model") -> None:
                          "attention decoders are supported")
 
 
+def _weight_versions(model: torch.nn.Module) -> tuple:
+    """Identity and in-place version of every parameter (inference tensors: identity only)."""
+    return tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in model.parameters())
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool (B, Q, S) -> additive float mask (B, 1, Q, S): 0 where allowed, dtype-min elsewhere."""
     neg = torch.finfo(dtype).min
@@ -109,8 +116,27 @@ class Target:
             if config.pack_linears and not len(self.packed):
                 raise ValueError(f"pack_linears=True but {name} has no fp32 CPU nn.Linear layers")
         self._forward = self._eager_forward
+        self._frozen = None  # weight versions a CPU compile froze into its graphs
         if config.compile:
-            self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False)
+            # on CPU, inductor's freezing folds the weights into the graph as constants and packs
+            # the linears for oneDNN (without it a compiled CPU forward is no faster than eager)
+            freeze = self.device.type == "cpu"
+            self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
+                                          options={"freezing": True} if freeze else None)
+            self._frozen = _weight_versions(model) if freeze else None
+
+    def session(self):
+        """Context for a run of forwards (a generation loop): on CPU, the packed linears are swapped
+        into the model once for all of them instead of once per forward. Forwards outside a
+        session work the same (each enters its own). Raises ValueError if a CPU compile froze
+        weights that have changed since."""
+        if self._frozen is not None and self._frozen != _weight_versions(self.model):
+            raise ValueError("the model's weights changed after compile=True froze them into the compiled "
+                             "graph (CPU); build a new Target(model, TargetConfig(compile=True))")
+        return self._packing()
+
+    def _packing(self):
+        return self.packed.active() if self.packed is not None else contextlib.nullcontext()
 
     def new_cache(self, batch: int, max_len: int) -> SpecCache:
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
@@ -121,8 +147,7 @@ class Target:
     def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True) -> BlockOutput:
         want_hidden = self.config.hidden_layers is not None
         extra = {} if keep_logits or not self._keep_kw else {"logits_to_keep": 1}  # skip the LM head
-        one_row = tokens.shape[0] * tokens.shape[1] == 1
-        with (self.packed.active() if self.packed is not None and not one_row else contextlib.nullcontext()):
+        with self._packing():
             out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                              use_cache=True, output_hidden_states=want_hidden, **{self._cache_kw: cache},
                              **extra)
@@ -193,12 +218,13 @@ class Target:
         """Score block (B, Q) = [last committed token, draft_1..draft_{Q-1}] (-1 padding allowed).
 
         Returns logits (B, Q, V): row i is the target's next-token logits after block[:, :i+1].
-        The caller then commits 1 + accepted slots per row. With compile=True the block is padded to
-        `pad_to` columns (static shapes: one compiled graph per width); the padding's logits are
-        dropped and its slots stay beyond the committed length.
+        The caller then commits 1 + accepted slots per row. With compile=True a block of Q > 1 is
+        padded to `pad_to` columns (static shapes: one compiled graph for every drafted block, one
+        for the undrafted Q = 1 steps); the padding's logits are dropped and its slots stay beyond
+        the committed length.
         """
         Q = block.shape[1]
-        if self.config.compile and pad_to is not None and pad_to > Q:
+        if self.config.compile and pad_to is not None and pad_to > Q > 1:
             block = torch.cat([block, block.new_zeros(block.shape[0], pad_to - Q)], dim=1)  # (B, pad_to)
         W = block.shape[1]
         slots = cache.begin_block(W)  # (B, W) == position ids

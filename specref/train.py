@@ -257,6 +257,8 @@ def train_main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
     ap.add_argument("--data", default=None, help="data folder (default: <out>/data)")
     ap.add_argument("--num-instructions", type=int, default=None)
+    ap.add_argument("--passage-prompts", type=int, default=DistillConfig.passage_prompts,
+                    help="second-stage prompts quoting the target's own answers as passages")
     ap.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
     ap.add_argument("--temperature", type=float, default=DistillConfig.temperature)
     ap.add_argument("--gen-batch-size", type=int, default=DistillConfig.batch_size)
@@ -292,7 +294,8 @@ def train_main(argv=None) -> int:
         print(to_markdown(res))
         return 0 if res["parity"] else 1
     data_cfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
-                             temperature=a.temperature, batch_size=a.gen_batch_size)
+                             temperature=a.temperature, batch_size=a.gen_batch_size,
+                             passage_prompts=a.passage_prompts)
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
                             warmup_steps=a.warmup_steps)
     draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)

@@ -29,6 +29,31 @@ def test_packed_matches_plain_and_restores_the_model():
     assert "forward" not in lin.__dict__  # the module is left as it was
 
 
+def test_rows_do_not_depend_on_how_many_are_computed_together():
+    """The packed kernel gives a row the same bits alone (autoregressive step) as inside a block
+    (verify), for the default model's linear shapes."""
+    torch.manual_seed(0)
+    for n_in, n_out in [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4096)]:
+        lin = torch.nn.Linear(n_in, n_out, bias=False)
+        x = torch.randn(11, n_in)
+        with torch.no_grad(), PackedLinears(torch.nn.Sequential(lin)).active():
+            block = lin(x)  # (11, out)
+            alone = torch.cat([lin(x[j: j + 1]) for j in range(11)])  # (11, out)
+            pair = lin(x[3:5])  # (2, out)
+        assert torch.equal(alone, block) and torch.equal(pair, block[3:5])
+
+
+def test_nested_active_swaps_once():
+    lin = torch.nn.Linear(16, 16)
+    packed = PackedLinears(torch.nn.Sequential(lin))
+    with packed.active():
+        f = lin.__dict__["forward"]
+        with packed.active():
+            assert lin.__dict__["forward"] is f
+        assert lin.__dict__["forward"] is f  # still active after the inner exit
+    assert "forward" not in lin.__dict__
+
+
 def test_repacks_after_an_in_place_weight_change():
     lin = torch.nn.Linear(16, 16, bias=False)
     packed = PackedLinears(torch.nn.Sequential(lin))

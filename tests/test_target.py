@@ -24,6 +24,11 @@ def test_compile_matches_eager_and_reuses_one_graph():
                                    max_new_tokens=10, temperature=0)
         assert torch.equal(out.tokens, ref.tokens)
     assert counters["stats"]["unique_graphs"] == 1
+    # on CPU the weights are frozen into the graph: changing them afterwards is an error, not stale output
+    with torch.no_grad():
+        m.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    with pytest.raises(ValueError, match="froze"):
+        autoregressive_generate(tc, ids, max_new_tokens=2, temperature=0)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma", "phi3", "olmo", "granite", "smollm3",

@@ -157,3 +157,54 @@ def test_greedy_parity_with_trained_draft():
         spec = speculative_generate(target, prop, ids, max_new_tokens=32, temperature=0.0)
         assert spec.row(0) == base.row(0)
         assert spec.stats.target_forwards < base.stats.target_forwards  # the draft is accepted at all
+
+
+class _ByteTokenizer:
+    """A stand-in tokenizer for distill(): ids are bytes + 2, the chat template wraps the text."""
+    eos_token_id = 1
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        text = "<u>" + messages[0]["content"][:60] + "<a>"  # truncated: a tiny model has few positions
+        return {"input_ids": [2 + b % 94 for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids if i > 1)  # ~4 characters per token
+
+
+def test_distill_two_stages_and_resume(tmp_path):
+    import json
+
+    from specref.distill_data import (DistillConfig, distill, iter_sequences, passage_instructions,
+                                      shard_paths)
+
+    model = tiny_model("llama", vocab_size=96, num_layers=1, seed=0, init_std=0.2, logit_scale=2.0)
+    model.generation_config.eos_token_id = None
+    inst = tmp_path / "inst.jsonl"
+    inst.write_text("".join(json.dumps({"id": i, "category": "qa", "instruction": f"question {i}?"}) + "\n"
+                            for i in range(6)))
+    cfg = DistillConfig(max_new_tokens=60, batch_size=4, shard_size=4, topk=4, passage_prompts=5)
+    man = distill(model, _ByteTokenizer(), tmp_path / "d", cfg, instructions_path=inst, progress=False)
+    names = [p.name for p in shard_paths(tmp_path / "d")]
+    assert names == ["shard_00000.safetensors", "shard_00001.safetensors",
+                     "shard_p00000.safetensors", "shard_p00001.safetensors"]
+    seqs = list(iter_sequences(tmp_path / "d"))
+    assert man["counts"]["sequences"] == len(seqs) == 11
+    assert all(len(q.tokens) - q.prompt_len == 60 and q.topk_ids.shape == (60, 4) for q in seqs)
+    # the passage prompts quote first-stage answers (their first 60 characters survive the template)
+    answers = [_ByteTokenizer().decode(q.tokens[q.prompt_len:].tolist()) for q in seqs[:6]]
+    rows = passage_instructions(answers, 5, seed=0)
+    assert len(rows) == 5 and all(any(a.strip() in r["instruction"] for a in answers) for r in rows)
+    assert passage_instructions(answers, 5, seed=0) == rows  # deterministic
+    # resuming keeps every shard and regenerates nothing
+    stamps = [p.stat().st_mtime_ns for p in shard_paths(tmp_path / "d")]
+    distill(model, _ByteTokenizer(), tmp_path / "d", cfg, instructions_path=inst, progress=False)
+    assert [p.stat().st_mtime_ns for p in shard_paths(tmp_path / "d")] == stamps
+    with pytest.raises(ValueError, match="other settings"):
+        distill(model, _ByteTokenizer(), tmp_path / "d", DistillConfig(max_new_tokens=60, batch_size=4, shard_size=4,
+                                                                        topk=4, passage_prompts=6),
+                instructions_path=inst, progress=False)
+    with pytest.raises(ValueError, match="at least 2 answers"):
+        passage_instructions(["short"], 3)
+    with pytest.raises(ValueError, match="passage_prompts"):
+        DistillConfig(passage_prompts=-1)
