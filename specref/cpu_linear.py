@@ -41,6 +41,11 @@ def _eligible(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
 
+# how many active packings swap each layer in: layers shared by two models (truncated_draft)
+# are swapped in by the first and restored by the last to leave
+_ACTIVE: "weakref.WeakKeyDictionary[nn.Linear, int]" = weakref.WeakKeyDictionary()
+
+
 def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias):
     linear = torch.ops.mkldnn._linear_pointwise
 
@@ -72,6 +77,7 @@ class PackedLinears:
         self._forwards: Dict[nn.Linear, object] = {}
         self._versions: Dict[nn.Linear, tuple] = {}  # weights changed since packing -> repack
         self._depth = 0  # nesting of active()
+        self._active: list = []  # layers swapped in by the outermost active()
         for m in model.modules():
             if _eligible(m):
                 self._pack(m)
@@ -103,13 +109,21 @@ class PackedLinears:
                         self._pack(m)
                     else:  # now on another device or in another dtype: no longer ours to pack
                         del self._forwards[m], self._versions[m]
-            for m, f in self._forwards.items():
-                m.__dict__["forward"] = f  # instance attribute shadows nn.Linear.forward
+            for m, f in self._forwards.items():  # a layer shared with another model's packing
+                n = _ACTIVE.get(m, 0)             # (truncated_draft) keeps the forward installed first
+                if n == 0:
+                    m.__dict__["forward"] = f  # instance attribute shadows nn.Linear.forward
+                _ACTIVE[m] = n + 1
+            self._active = list(self._forwards)
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
-                for m in self._forwards:
-                    m.__dict__.pop("forward", None)
+                for m in self._active:
+                    n = _ACTIVE.pop(m) - 1
+                    if n:
+                        _ACTIVE[m] = n
+                    else:
+                        m.__dict__.pop("forward", None)

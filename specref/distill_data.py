@@ -20,8 +20,8 @@ distribution that predicted its response token j), and `manifest.json` (seed, co
 fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
 the first missing shard, and read one at a time (`iter_sequences`).
 Left out: storing hidden states (heads that need them recompute them with the frozen target),
-mixing in external corpora (no suitable openly licensed corpus ships on PyPI for offline use;
-the passages are the target's own text), multi-turn conversations.
+mixing in external corpora (not tried: the second stage's passages are the target's own text),
+multi-turn conversations.
 """
 from __future__ import annotations
 

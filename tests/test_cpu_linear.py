@@ -54,6 +54,29 @@ def test_nested_active_swaps_once():
     assert "forward" not in lin.__dict__
 
 
+def test_shared_layers_stay_packed_while_another_packing_leaves():
+    """truncated_draft shares the target's layers: the draft's packing entering and leaving inside
+    the target's session must not restore the target's layers to F.linear."""
+    from specref.draft_model import truncated_draft
+
+    m = tiny_model("llama", vocab_size=64, seed=0)
+    d = truncated_draft(m, 1)
+    pt, pd = PackedLinears.of(m), PackedLinears.of(d)
+    shared = m.model.layers[0].mlp.up_proj
+    with pt.active():
+        f = shared.__dict__["forward"]
+        with pd.active():
+            pass
+        assert shared.__dict__.get("forward") is f
+    assert "forward" not in shared.__dict__
+    with pd.active():  # the other way round
+        g = shared.__dict__["forward"]
+        with pt.active():
+            assert shared.__dict__["forward"] is g
+        assert shared.__dict__.get("forward") is g
+    assert "forward" not in shared.__dict__
+
+
 def test_repacks_after_an_in_place_weight_change():
     lin = torch.nn.Linear(16, 16, bias=False)
     packed = PackedLinears(torch.nn.Sequential(lin))
