@@ -18,7 +18,8 @@ shapes it reads the weights faster than MKL's gemv (30 layers of linears + LM he
 61 vs 77 ms median), and its rows are bit-for-bit independent of how many rows are computed
 together (checked for M = 1, 2, 11), so a token scored alone (autoregressive decoding) and the
 same token scored inside a verify block get the same linear outputs. Results differ from
-`F.linear`'s by fp32 rounding (the summation order differs).
+`F.linear`'s by fp32 rounding (the summation order differs). A layer shared by two models
+(`truncated_draft`) is packed once per model and stays swapped in while either packing is active.
 Used by target.py on CPU (TargetConfig.pack_linears). Left out: bf16/fp16 weights (fp32 only),
 training (with autograd enabled a layer falls back to F.linear), GPUs (not needed).
 """
