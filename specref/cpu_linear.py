@@ -42,6 +42,12 @@ def _eligible(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
 
+def tensor_version(t) -> tuple:
+    """(storage address, in-place version) of a tensor: changes when it is modified in place or
+    replaced. Inference tensors keep no version counter: only a replacement is seen."""
+    return None if t is None else (t.data_ptr(), -1 if t.is_inference() else t._version)
+
+
 # how many active packings swap each layer in: layers shared by two models (truncated_draft)
 # are swapped in by the first and restored by the last to leave
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Linear, int]" = weakref.WeakKeyDictionary()
@@ -78,7 +84,6 @@ class PackedLinears:
         self._forwards: Dict[nn.Linear, object] = {}
         self._versions: Dict[nn.Linear, tuple] = {}  # weights changed since packing -> repack
         self._depth = 0  # nesting of active()
-        self._active: list = []  # layers swapped in by the outermost active()
         for m in model.modules():
             if _eligible(m):
                 self._pack(m)
@@ -91,9 +96,7 @@ class PackedLinears:
 
     @staticmethod
     def _version_of(m: nn.Linear) -> tuple:
-        def v(t):  # inference tensors keep no version counter: only a replacement is seen
-            return None if t is None else (t.data_ptr(), -1 if t.is_inference() else t._version)
-        return v(m.weight), v(m.bias)
+        return tensor_version(m.weight), tensor_version(m.bias)
 
     def __len__(self) -> int:
         return len(self._forwards)
@@ -115,14 +118,13 @@ class PackedLinears:
                 if n == 0:
                     m.__dict__["forward"] = f  # instance attribute shadows nn.Linear.forward
                 _ACTIVE[m] = n + 1
-            self._active = list(self._forwards)
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
             if self._depth == 0:
-                for m in self._active:
+                for m in self._forwards:  # unchanged while active: repacking happens on entry
                     n = _ACTIVE.pop(m) - 1
                     if n:
                         _ACTIVE[m] = n

@@ -201,7 +201,7 @@ def read_shard(path) -> List[Seq]:
 
 def shard_paths(folder) -> List[Path]:
     """The shards of a data folder: first-stage ones (shard_#####) first, then second-stage ones."""
-    return sorted(Path(folder).glob("shard_*.safetensors"), key=lambda p: (p.name.startswith("shard_p"), p.name))
+    return sorted(Path(folder).glob("shard_*.safetensors"))  # "shard_0..." sorts before "shard_p..."
 
 
 def iter_sequences(folder, paths: Optional[Sequence[Path]] = None) -> Iterator[Seq]:

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_linear import PackedLinears, packing_available
+from .cpu_linear import PackedLinears, packing_available, tensor_version
 from .kv_rollback import SpecCache
 
 
@@ -83,7 +83,7 @@ def check_causal_lm(model: torch.nn.Module, name: str = "model") -> None:
 
 def _weight_versions(model: torch.nn.Module) -> tuple:
     """Identity and in-place version of every parameter (inference tensors: identity only)."""
-    return tuple((p.data_ptr(), -1 if p.is_inference() else p._version) for p in model.parameters())
+    return tuple(tensor_version(p) for p in model.parameters())
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
