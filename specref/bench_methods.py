@@ -7,7 +7,8 @@ transformers' methods count target forwards with a forward hook (their first for
 which emits the first token). The trained draft (trained_draft.py) has a reduced vocabulary (Vd
 rows in its LM head, token_map to target ids); for transformers' assisted generation it is wrapped
 so its head scatters the Vd logits into the full V with -inf elsewhere: the same draft, so q is 0
-outside the map in both. Left out: Medusa, EAGLE, MTP (added when they land).
+outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain.
+Left out: Medusa, MTP, EAGLE-2 trees (added when they land).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "hf_pld", "hf_assist")
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):
@@ -72,6 +73,17 @@ def _trained_draft(cfg, model):
     draft, token_map = load_trained_draft(model)
     alpha = trained_draft_info().get("record", {}).get("heldout", {}).get("heldout_top1")
     return draft, token_map, alpha
+
+
+def _eagle_head(cfg, model):
+    """(EagleHead, alpha or None) or raise ValueError when there is none."""
+    from .eagle_head import WEIGHTS, EagleHead, eagle_info, load_eagle
+
+    if cfg.model == "tiny":  # an untrained head: exercises the code path only
+        return EagleHead(model, torch.arange(0, model.config.vocab_size, 2)), None
+    if cfg.model != "default":
+        raise ValueError("the trained EAGLE head belongs to the default model")
+    return load_eagle(model, WEIGHTS), eagle_info(WEIGHTS)["record"].get("heldout", {}).get("heldout_top1")
 
 
 class _FullVocabHead(torch.nn.Module):
@@ -199,6 +211,20 @@ def build_methods(cfg, model, eos, target) -> tuple:
                 assistant = _as_assistant(draft, token_map, V, k)
                 methods.append(Method("hf_assist", f"transformers assisted, trained draft (k={k})",
                                       hf({"assistant_model": assistant}, [0]), k=k, specref=False))
+        elif name == "eagle":
+            try:
+                head, alpha = _eagle_head(cfg, model)
+            except (ImportError, ValueError, FileNotFoundError) as e:
+                skipped[name] = f"no trained EAGLE head ({e})"
+                continue
+            from .eagle_head import EagleConfig, EagleProposer, measure_head_cost
+            from .theory import optimal_k
+
+            ek = cfg.draft_k or (4 if alpha is None else optimal_k(
+                float(alpha), measure_head_cost(target, head)["c"], k_max=10))
+            ec = EagleConfig(k=ek)
+            methods.append(Method("eagle", f"specref EAGLE-1 head (k={ek})",
+                                  spec(lambda: EagleProposer(head, ec)), k=ek))
         elif name == "hf_pld":
             methods.append(Method("hf_pld", "transformers prompt lookup (10)",
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))

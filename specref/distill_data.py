@@ -71,6 +71,7 @@ class Seq:
     prompt_len: int  # the response is tokens[prompt_len:]
     topk_ids: Optional[torch.Tensor] = None  # (L - prompt_len, K) long
     topk_logprobs: Optional[torch.Tensor] = None  # (L - prompt_len, K) float
+    features: Optional[torch.Tensor] = None  # (L, D) target features (EAGLE), attached in memory
 
 
 @dataclass
@@ -82,11 +83,12 @@ class Batch:
     loss_mask: torch.Tensor  # (B, T) bool, positions whose next token is a response token
     topk_ids: Optional[torch.Tensor] = None  # (B, T, K) long, target top-k at loss positions
     topk_logprobs: Optional[torch.Tensor] = None  # (B, T, K) float, -inf outside loss positions
+    features: Optional[torch.Tensor] = None  # (B, T, D) target features, 0-padded, or None
 
     def to(self, device) -> "Batch":
         f = (lambda x: None if x is None else x.to(device))
         return Batch(f(self.tokens), f(self.attention), f(self.loss_mask), f(self.topk_ids),
-                     f(self.topk_logprobs))
+                     f(self.topk_logprobs), f(self.features))
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -143,9 +145,14 @@ def collate(seqs: Sequence[Seq], max_len: Optional[int] = None) -> Batch:
         if have_topk and L > P:
             ids[b, P - 1: L - 1] = s.topk_ids[: L - P]
             logp[b, P - 1: L - 1] = s.topk_logprobs[: L - P].float()
+    feats = None
+    if all(s.features is not None for s in seqs):
+        feats = seqs[0].features.new_zeros(B, T, seqs[0].features.shape[-1])  # (B, T, D)
+        for b, (s, L) in enumerate(zip(seqs, lens)):
+            feats[b, :L] = s.features[:L]
     if not have_topk:
-        return Batch(tokens, attention, loss_mask)
-    return Batch(tokens, attention, loss_mask, ids, logp)
+        return Batch(tokens, attention, loss_mask, features=feats)
+    return Batch(tokens, attention, loss_mask, ids, logp, feats)
 
 
 @torch.no_grad()

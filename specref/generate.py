@@ -162,6 +162,10 @@ def speculative_generate(
     if pv is not None and int(pv) != tgt.vocab_size:
         raise ValueError(f"draft vocab size {pv} != target vocab size {tgt.vocab_size}: "
                          "the draft must share the target's tokenizer and vocabulary")
+    want_h = getattr(proposer, "hidden_layers", None)  # features the proposer reads (EAGLE), or None
+    if want_h is not None and (not isinstance(want_h, tuple) or not want_h
+                               or not all(isinstance(i, int) for i in want_h)):
+        raise ValueError(f"proposer.hidden_layers must be a non-empty tuple of layer indices, got {want_h!r}")
     rows = _rows_from_prompt(input_ids, attention_mask, tgt.vocab_size)
     B, dev = len(rows), tgt.device
     eos = torch.tensor([] if eos_token_id is None else
@@ -194,7 +198,9 @@ def speculative_generate(
         # 0. prefill every prompt token but the last, which opens the first verify block
         t0 = time.perf_counter()
         P = int(prompt_len.max()) - 1
-        tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False)
+        pre = tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False, hidden_layers=want_h)
+        if want_h is not None:
+            ctx.hidden, ctx.hidden_len = pre.hidden, prompt_len - 1  # (B, P, D), (B,)
         _sync(dev)
         stats.prefill_time = time.perf_counter() - t0
         proposer.begin(ctx, sampling, generator)
@@ -212,11 +218,12 @@ def speculative_generate(
 
             # 2. verify and 3. accept
             if draft.is_tree:
-                emitted, n_acc, path, lengths, depth_of = _verify_tree(tgt, cache, draft, pending, ctx.active,
-                                                                       sampling, generator, proposer)
+                emitted, n_acc, path, lengths, depth_of, hidden = _verify_tree(
+                    tgt, cache, draft, pending, ctx.active, sampling, generator, proposer, want_h)
             else:
                 lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
-                emitted, n_acc = _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k)
+                emitted, n_acc, hidden = _verify_chain(tgt, cache, draft, pending, lengths, sampling,
+                                                       generator, k, want_h)
                 path, depth_of = None, None
             W = emitted.shape[1]  # K+1 (chain) or D+1 (tree)
             num_emit = torch.minimum(n_acc + 1, budget + 1) * ctx.active  # (B,)
@@ -237,6 +244,9 @@ def speculative_generate(
             else:  # block offsets of the root and the accepted nodes, gathered to contiguous slots
                 offsets = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # (B, D+1)
                 cache.commit_path(offsets, num_emit)
+                if hidden is not None:  # features of the root and the accepted path
+                    hidden = hidden.gather(1, offsets.clamp(min=0).unsqueeze(-1).expand(
+                        B, offsets.shape[1], hidden.shape[-1]))  # (B, D+1, D_h)
             j = torch.arange(W, device=dev).view(1, -1)  # (1, W)
             write = j < num_emit.view(B, 1)  # (B, W)
             r_idx = ar_B.view(B, 1).expand(B, W)[write]  # (E,) emitted tokens of all rows, flat
@@ -246,6 +256,8 @@ def speculative_generate(
             ctx.lengths += num_emit
             n_new += num_emit
             ctx.active &= ~hit_eos & (n_new < max_new_tokens)
+            if want_h is not None:
+                ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
             proposer.update(ctx, torch.minimum(n_acc, (num_emit - 1).clamp(min=0)))
 
             stats.target_forwards += 1
@@ -275,28 +287,32 @@ def speculative_generate(
     return GenerationOutput(out_tokens, n_new, stats)
 
 
-def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k_max):
-    """Score [pending, draft chain] in one forward and run the rejection step. -> (B, K+1), (B,)"""
+def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k_max, hidden_layers=None):
+    """Score [pending, draft chain] in one forward and run the rejection step.
+
+    -> emitted (B, K+1), accepted (B,), hidden states (B, K+1, D) or None."""
     B, dev = pending.shape[0], pending.device
     K = int(lengths.max()) if B else 0
     pos = torch.arange(K, device=dev)  # (K,)
     d_tok = draft.tokens[:, :K].to(dev)  # (B, K)
     d_tok = torch.where(pos.view(1, K) < lengths.view(B, 1), d_tok, torch.full_like(d_tok, -1))  # (B, K)
     block = torch.cat([pending.unsqueeze(1), d_tok], dim=1)  # (B, K+1)
-    logits = tgt.verify_chain(cache, block, pad_to=k_max + 1).logits  # (B, K+1, V)
+    out = tgt.verify_chain(cache, block, pad_to=k_max + 1, hidden_layers=hidden_layers)
+    logits = out.logits  # (B, K+1, V)
     if sampling.greedy:
         res = rejection.verify_chain_greedy(d_tok, logits, lengths=lengths)
     else:
         p = logits_to_probs(logits, sampling)  # (B, K+1, V)
         q = None if draft.q is None else draft.q[:, :K].to(p)  # (B, K, V)
         res = rejection.verify_chain(d_tok, p, q, lengths=lengths, generator=generator)
-    return res.tokens, res.num_accepted
+    return res.tokens, res.num_accepted, out.hidden
 
 
-def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, proposer):
+def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, proposer, hidden_layers=None):
     """Score [pending, tree nodes] in one forward (tree attention) and run recursive rejection.
 
-    -> emitted (B, D+1), accepted (B,), path (B, D) node indices, node lengths (B,), depth (B, N)."""
+    -> emitted (B, D+1), accepted (B,), path (B, D) node indices, node lengths (B,), depth (B, N),
+    hidden states of the block (B, 1+N(+E), D) or None."""
     B, dev = pending.shape[0], pending.device
     lengths = draft.lengths.to(dev) * active  # (B,)
     N = draft.tokens.shape[1] if draft.aux is not None else (int(lengths.max()) if B else 0)
@@ -318,7 +334,8 @@ def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, propos
         anc_blk[:, 1 + N:] = draft.aux.mask.to(dev)
         dep_blk = torch.cat([dep_blk, draft.aux.depth.to(dev)], dim=1)  # (B, Q)
         block = torch.cat([block, draft.aux.tokens.to(dev)], dim=1)  # (B, Q)
-    logits = tgt.verify_tree(cache, block, anc_blk, dep_blk).logits  # (B, Q, V)
+    out = tgt.verify_tree(cache, block, anc_blk, dep_blk, hidden_layers=hidden_layers)
+    logits = out.logits  # (B, Q, V)
     if E:
         observe = getattr(proposer, "observe", None)
         if observe is not None:
@@ -330,7 +347,7 @@ def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, propos
         p = logits_to_probs(logits, sampling)  # (B, 1+N, V)
         q = None if draft.q is None else draft.q[:, :N].to(p)  # (B, N, V)
         res = rejection.verify_tree(tok, par, p, q, lengths=lengths, generator=generator)
-    return res.tokens, res.num_accepted, res.path, lengths, dep
+    return res.tokens, res.num_accepted, res.path, lengths, dep, out.hidden
 
 
 def autoregressive_generate(

@@ -32,7 +32,10 @@ class Context:
     tokens: torch.Tensor  # (B, T) long, right-padded (value beyond lengths is undefined)
     lengths: torch.Tensor  # (B,) long, valid tokens per row
     active: torch.Tensor  # (B,) bool, rows still generating (finished rows may get an empty draft)
-    hidden: Optional[torch.Tensor] = None  # method-specific target features (Medusa/EAGLE), else None
+    hidden: Optional[torch.Tensor] = None  # (B, W, D) target features of the tokens the last target
+    # forward committed, for proposers that set `hidden_layers` (EAGLE, Medusa); else None
+    hidden_len: Optional[torch.Tensor] = None  # (B,) valid rows of `hidden`: row b's hidden[b, j] is
+    # the feature at position lengths[b] - 1 - hidden_len[b] + j (the pending token has none yet)
 
     def row(self, b: int) -> torch.Tensor:
         return self.tokens[b, : int(self.lengths[b])]  # (T_b,)
@@ -96,6 +99,8 @@ class Proposer(Protocol):
 
     # Optional: def observe(self, aux_logits: torch.Tensor) -> None, called after the verification
     # forward with the (B, E, V) logits of Draft.aux, before update().
+    # Optional: hidden_layers = (-1,) (a tuple of layer indices): generate.py then passes the target's
+    # states of those layers in ctx.hidden / ctx.hidden_len to begin() and update().
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         """Told after verification: ctx is the new committed context, num_accepted (B,) how many

@@ -144,8 +144,10 @@ class Target:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
         return SpecCache(self.num_layers, batch, max_len, self.device)
 
-    def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True) -> BlockOutput:
-        want_hidden = self.config.hidden_layers is not None
+    def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True,
+                       hidden_layers: Optional[tuple] = None) -> BlockOutput:
+        layers = self.config.hidden_layers if hidden_layers is None else hidden_layers
+        want_hidden = layers is not None
         extra = {} if keep_logits or not self._keep_kw else {"logits_to_keep": 1}  # skip the LM head
         with self._packing():
             out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
@@ -154,15 +156,17 @@ class Target:
         hidden = None
         if want_hidden:
             hs = out.hidden_states  # tuple of (B, Q, D), embeddings first, last one normed
-            hidden = torch.cat([hs[i] for i in self.config.hidden_layers], dim=-1)  # (B, Q, L*D)
+            hidden = torch.cat([hs[i] for i in layers], dim=-1)  # (B, Q, L*D)
         logits = out.logits.float() if keep_logits else out.logits.new_zeros(tokens.shape[0], 0, self.vocab_size)
         return BlockOutput(logits=logits, hidden=hidden)
 
     @torch.no_grad()
     def forward_block(self, cache: SpecCache, tokens: torch.Tensor, positions: torch.Tensor,
-                      allowed: torch.Tensor, slots: Optional[torch.Tensor] = None) -> BlockOutput:
+                      allowed: torch.Tensor, slots: Optional[torch.Tensor] = None,
+                      hidden_layers: Optional[tuple] = None) -> BlockOutput:
         """One forward of a block. tokens/positions (B, Q); allowed (B, Q, S) bool attention;
-        slots (B, Q) where the block's K/V are written (default: after each row's length)."""
+        slots (B, Q) where the block's K/V are written (default: after each row's length);
+        hidden_layers: return these layers' states (default: TargetConfig.hidden_layers)."""
         if slots is None:
             cache.begin_block(tokens.shape[1])
         else:
@@ -175,7 +179,7 @@ class Target:
         if tokens.shape[0] * tokens.shape[1] == 1 and S != cache.max_len and bool(allowed.all()):
             mask = None  # one row, one token seeing every attended slot: the model needs no mask
         with self._attending(cache, S):
-            return self._forward(cache, tokens, positions, mask)
+            return self._forward(cache, tokens, positions, mask, True, hidden_layers)
 
     @staticmethod
     @contextlib.contextmanager
@@ -195,14 +199,18 @@ class Target:
     # -- the three block shapes generate.py uses ------------------------------------------------
     @torch.no_grad()
     def prefill(self, cache: SpecCache, tokens: torch.Tensor, lengths: torch.Tensor,
-                logits: bool = True) -> BlockOutput:
+                logits: bool = True, hidden_layers: Optional[tuple] = None) -> BlockOutput:
         """Write tokens[b, :lengths[b]] of every row (right-padded (B, T)) and commit them.
 
         Returns the logits (B, T, V) (hidden states too if configured); logits=False skips the LM
         head where the model allows (`logits_to_keep`) and returns logits of shape (B, 0, V)."""
         B, T = tokens.shape
         if T == 0:
-            return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=tokens.device))
+            layers = self.config.hidden_layers if hidden_layers is None else hidden_layers
+            D = len(layers) * int(self.model.config.hidden_size) if layers is not None else 0
+            return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=tokens.device),
+                               hidden=None if layers is None else torch.zeros(B, 0, D, device=tokens.device,
+                                                                              dtype=self.dtype))
         slots = cache.begin_block(T)  # (B, T)
         S = min(int(slots.max()) + 1, cache.max_len)  # prefill is eager: attend only written slots
         ar = torch.arange(S, device=tokens.device)  # (S,)
@@ -210,11 +218,12 @@ class Target:
         cache.set_block_slots(slots)
         with self._attending(cache, S):
             out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype),
-                                      keep_logits=logits)
+                                      keep_logits=logits, hidden_layers=hidden_layers)
         cache.commit(lengths)
         return out
 
-    def verify_chain(self, cache: SpecCache, block: torch.Tensor, pad_to: Optional[int] = None) -> BlockOutput:
+    def verify_chain(self, cache: SpecCache, block: torch.Tensor, pad_to: Optional[int] = None,
+                     hidden_layers: Optional[tuple] = None) -> BlockOutput:
         """Score block (B, Q) = [last committed token, draft_1..draft_{Q-1}] (-1 padding allowed).
 
         Returns logits (B, Q, V): row i is the target's next-token logits after block[:, :i+1].
@@ -231,13 +240,14 @@ class Target:
         S = self._span(cache, int(slots.max()) + 1)
         ar = torch.arange(S, device=block.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
-        out = self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots)
+        out = self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots,
+                                 hidden_layers=hidden_layers)
         if W != Q:
             out = BlockOutput(out.logits[:, :Q], None if out.hidden is None else out.hidden[:, :Q])
         return out
 
     def verify_tree(self, cache: SpecCache, block: torch.Tensor, ancestors: torch.Tensor,
-                    depth: torch.Tensor) -> BlockOutput:
+                    depth: torch.Tensor, hidden_layers: Optional[tuple] = None) -> BlockOutput:
         """Score a tree block (B, 1+N) = [root, node_1..node_N] in one forward.
 
         ancestors (B, 1+N, 1+N) bool: block position i may attend block position j (j == i or an
@@ -252,4 +262,5 @@ class Target:
         in_block = ancestors.gather(2, rel)  # (B, Q, S): ancestor relation read at slot - L
         allowed = (ar < L) | ((ar >= L) & (ar < L + Q) & in_block)  # (B, Q, S)
         positions = cache.lengths.unsqueeze(1) + depth  # (B, Q)
-        return self.forward_block(cache, block.clamp(min=0), positions, allowed, slots=slots)
+        return self.forward_block(cache, block.clamp(min=0), positions, allowed, slots=slots,
+                                  hidden_layers=hidden_layers)

@@ -249,9 +249,12 @@ def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List
 def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
     from .distill_data import DistillConfig
+    from .eagle_train import EagleTrainConfig
     from .trained_draft import DraftTrainConfig, run_training
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
+    ap.add_argument("--method", choices=("draft", "eagle"), default="draft",
+                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
@@ -265,6 +268,8 @@ def train_main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=DraftTrainConfig.num_layers)
     ap.add_argument("--draft-vocab", type=int, default=DraftTrainConfig.draft_vocab)
     ap.add_argument("--loss", choices=("kl", "ce"), default=DraftTrainConfig.loss)
+    ap.add_argument("--w-cls", type=float, default=EagleTrainConfig.w_cls, help="eagle: weight of the soft CE")
+    ap.add_argument("--w-reg", type=float, default=EagleTrainConfig.w_reg, help="eagle: weight of the regression")
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -280,6 +285,9 @@ def train_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.method == "eagle" and (a.measure_only is not None or a.eval):
+        raise ValueError("--measure-only/--eval measure the draft model; measure the EAGLE head with "
+                         "`python -m specref bench --methods ar eagle`")
     if a.measure_only is not None:
         from .draft_eval import measure_draft, to_markdown
         from .models import load_default
@@ -298,6 +306,12 @@ def train_main(argv=None) -> int:
                              passage_prompts=a.passage_prompts)
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
                             warmup_steps=a.warmup_steps)
+    if a.method == "eagle":
+        from .eagle_train import EagleTrainConfig, run_eagle_training
+
+        return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
+                                                                        w_reg=a.w_reg),
+                                  out=a.out, data=a.data, device=a.device, export=a.export)
     draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
     return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
                         export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,

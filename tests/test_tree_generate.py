@@ -95,3 +95,52 @@ def test_tree_whole_loop_lossless(shape, sampled):
     counts = oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L)
     assert oracle.chi_square_gof(counts, exact).p_value > ALPHA
     assert out.stats.num_accepted_tokens > 0.2 * n
+
+
+class _FeatureChecker:
+    """Wraps a proposer, asks generate.py for the target's final features, and checks every
+    ctx.hidden it gets against the features of a fresh forward over the committed tokens."""
+
+    hidden_layers = (-1,)
+
+    def __init__(self, inner, target):
+        self.inner, self.target, self.k, self.checked = inner, target, inner.k, 0
+
+    def _check(self, ctx):
+        for b in range(ctx.tokens.shape[0]):
+            n = int(ctx.hidden_len[b])
+            if n == 0:
+                continue
+            row = ctx.row(b)  # (L,) the last token is pending: features exist for row[:-1]
+            with torch.no_grad():
+                ref = self.target.model(input_ids=row[None, :-1]).last_hidden_state[0]  # (L-1, D)
+            assert torch.allclose(ctx.hidden[b, :n], ref[len(row) - 1 - n:], atol=1e-4, rtol=1e-4)
+            self.checked += 1
+
+    def begin(self, ctx, sampling, generator):
+        self._check(ctx)
+        self.inner.begin(ctx, sampling, generator)
+
+    def propose(self, ctx, sampling, generator):
+        return self.inner.propose(ctx, sampling, generator)
+
+    def update(self, ctx, num_accepted):
+        self._check(ctx)
+        self.inner.update(ctx, num_accepted)
+
+
+@pytest.mark.parametrize("shape", ["deep_chain", "mixed"])
+def test_features_of_committed_tokens_reach_the_proposer(shape):
+    """generate.py hands a proposer with `hidden_layers` the target's features of exactly the tokens
+    each forward committed (prefill; a tree's accepted path, gathered from the block), in batches.
+    Chain blocks: test_eagle's recomputation test."""
+    V = 24
+    target = tiny_model("llama", vocab_size=V, seed=5, init_std=0.2, logit_scale=3.0)
+    inner = BigramTreeProposer(bigram_table(target, V), SHAPES[shape], sampled=False)
+    prop = _FeatureChecker(inner, target)
+    ids = torch.tensor([[0, 4, 2, 7, 1], [3, 3, 9, 8, 2]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    out = speculative_generate(target, prop, ids, mask, max_new_tokens=12, temperature=0)
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=12, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    assert out.stats.num_accepted_tokens > 0 and prop.checked >= 2 + 2 * 3  # accepted paths were checked

@@ -1,0 +1,303 @@
+"""EAGLE: a one-layer draft head that extrapolates the target's features (Li et al. 2024).
+
+EAGLE-1 (Li et al., ICML 2024, Sec. 3): drafting at the feature level is easier than at the token
+level, and the feature sequence is made predictable by also feeding the token that was sampled.
+The head reads the pair (f_t, x_{t+1}) - the target's top-layer feature at position t (the normed
+state its LM head reads) and the embedding of the next token - and predicts f_{t+1}:
+
+    g_t = FC([Norm(e(x_{t+1})); Norm(f_t)])  (2D -> D; the input norms are EAGLE-3's)
+    f^_{t+1} = Norm(DecoderLayer(g_{<=t}))  one decoder layer, attention over earlier pairs
+    q(x_{t+2}) = softmax(LMHead(f^_{t+1}) / T)
+
+The head's LM head is the target's, frozen, restricted to the Vd most frequent tokens (EAGLE-3's
+reduced draft vocabulary, Li et al. 2025; `token_map` maps draft ids to target ids; q is 0 outside,
+which keeps speculative sampling lossless). Training (Sec. 3.2) regresses f^ onto the target's
+f with Smooth-L1 and adds w_cls times the cross-entropy of q against the target's p (here the
+stored top-k of p, soft cross-entropy); inputs get uniform noise U(-eps, eps) (Sec. 3.2's data
+augmentation against the error accumulation of drafting on predicted features).
+
+Drafting (Sec. 3.1, chain): the head's own KV cache holds the pairs with TRUE features; a step
+first feeds the pairs that verification just made true (catch-up), then k-1 pairs of its own
+predicted features and drafted tokens; after verification those speculative slots are dropped
+(they were computed from predicted features) and the accepted positions are re-fed with the
+target's features next step. Left out: EAGLE-2's dynamic draft tree, EAGLE-3's multi-layer
+features and training-time test.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from .cpu_linear import PackedLinears, packing_available
+from .kv_rollback import SpecCache
+from .proposer import Context, Draft, Generators
+from .sampling import SamplingConfig, logits_to_probs, sample
+from .target import additive_mask
+
+FORMAT = "specref-eagle-1"
+WEIGHTS = Path(__file__).with_name("weights") / "smollm2_135m_eagle.safetensors"
+
+
+class EagleHead(torch.nn.Module):
+    """FC + one decoder layer (a copy of the target's last) + norm; the frozen reduced LM head.
+
+    The target's input embedding and rotary embedding are used by reference (not parameters here)."""
+
+    def __init__(self, target: torch.nn.Module, token_map: torch.Tensor, seed: int = 0):
+        """token_map (Vd,): target ids of the draft vocabulary; seed: the FC's initialisation (all
+        other weights start as copies of the target's)."""
+        super().__init__()
+        inner = getattr(target, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
+            raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
+                             "model.norm, model.rotary_emb); EAGLE needs one")
+        token_map = torch.as_tensor(token_map, dtype=torch.long)
+        V, D = target.get_output_embeddings().weight.shape
+        if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
+            raise ValueError(f"token_map must be a 1-D tensor of >= 2 target ids in [0, {V})")
+        p = next(target.parameters())
+        self.vocab_size, self.hidden_size = int(V), int(D)
+        # EAGLE-3's input norms: the embedding (RMS ~0.14 on the default model) and the feature
+        # (RMS ~1.9) enter the FC at one scale, so the token is not drowned out at initialisation
+        self.norm_e, self.norm_f = copy.deepcopy(inner.norm), copy.deepcopy(inner.norm)
+        for n in (self.norm_e, self.norm_f):
+            torch.nn.init.ones_(n.weight)
+        self.fc = torch.nn.Linear(2 * D, D, bias=True)
+        g, bound = torch.Generator().manual_seed(seed), (2 * D) ** -0.5  # nn.Linear's default init range
+        with torch.no_grad():
+            self.fc.weight.uniform_(-bound, bound, generator=g)
+            self.fc.bias.uniform_(-bound, bound, generator=g)
+        self.fc.to(device=p.device, dtype=p.dtype)
+        self.layer = copy.deepcopy(layers[-1])
+        self.layer.self_attn.layer_idx = 0  # the head's cache has one layer
+        self.norm = copy.deepcopy(inner.norm)
+        head = target.get_output_embeddings().weight.detach()  # (V, D)
+        self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
+        for m in (self.layer, self.norm, self.norm_e, self.norm_f):
+            m.requires_grad_(True)  # copies of a (usually frozen) target's modules: trained here
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("token_map", token_map.to(p.device), persistent=False)  # (Vd,)
+        self._shared = (inner.embed_tokens, inner.rotary_emb)  # not submodules: never trained or saved
+        self.config = target.config
+
+    def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                mask: Optional[torch.Tensor], cache=None) -> torch.Tensor:
+        """feats (B, Q, D) f_t, next_tokens (B, Q) x_{t+1}, positions (B, Q), mask (B, 1, Q, S)
+        additive or None -> predicted features f^_{t+1} (B, Q, D)."""
+        embed, rotary = self._shared
+        e = embed(next_tokens.clamp(min=0)).to(feats.dtype)  # (B, Q, D)
+        g = self.fc(torch.cat([self.norm_e(e), self.norm_f(feats)], dim=-1))  # (B, Q, D)
+        pe = rotary(g, position_ids=positions)  # (cos, sin), each (B, Q, head_dim)
+        h = self.layer(g, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
+                       position_embeddings=pe)  # (B, Q, D)
+        return self.norm(h)  # (B, Q, D)
+
+    def logits(self, f_hat: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(f_hat)  # (..., Vd)
+
+    def trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return [(n, q) for n, q in self.named_parameters() if q.requires_grad]
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Settings of the EAGLE-1 chain proposer."""
+
+    k: int = 4  # draft tokens per step (chain depth)
+    greedy_draft: bool = False  # draft argmax tokens (q = None) even when the target samples
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be an int >= 1, got {self.k!r}")
+
+
+class EagleProposer:
+    """Proposer protocol: chain drafts from an EagleHead. generate.py hands it the target's features
+    (`hidden_layers` below) in ctx.hidden after the prefill and after every verification."""
+
+    hidden_layers = (-1,)  # the target's final normed state, what its LM head reads
+
+    def __init__(self, head: EagleHead, config: EagleConfig = EagleConfig()):
+        if not isinstance(head, EagleHead):
+            raise ValueError(f"head must be an EagleHead, got {type(head).__name__}")
+        self.head, self.config, self.k = head.eval(), config, config.k
+        self.vocab_size = head.vocab_size
+        self.cache: Optional[SpecCache] = None
+        dev = head.fc.weight.device
+        # CPU fp32: the head's linears pre-packed for oneDNN, as the target's (cpu_linear.py)
+        self.packed = PackedLinears.of(head) if dev.type == "cpu" and packing_available() else None
+
+    def _store(self, ctx: Context) -> None:
+        """Copy the features ctx.hidden (rows valid: ctx.hidden_len) to their positions in self.feat."""
+        if ctx.hidden is None or ctx.hidden_len is None:
+            raise ValueError("EagleProposer needs the target's features: run it through speculative_generate, "
+                             "which passes them when the proposer sets `hidden_layers`")
+        B, W, D = ctx.hidden.shape
+        if D != self.head.hidden_size:
+            raise ValueError(f"features have width {D}, the head expects {self.head.hidden_size}")
+        j = torch.arange(W, device=ctx.hidden.device).view(1, W)  # (1, W)
+        start = (ctx.lengths - 1 - ctx.hidden_len).view(B, 1)  # (B, 1) position of hidden[:, 0]
+        ok = j < ctx.hidden_len.view(B, 1)  # (B, W)
+        rows = torch.arange(B, device=ctx.hidden.device).view(B, 1).expand(B, W)  # (B, W)
+        self.feat[rows[ok], (start + j)[ok]] = ctx.hidden[ok].to(self.feat.dtype)
+
+    def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
+        B, T = ctx.tokens.shape
+        dev = ctx.tokens.device
+        self.cache = SpecCache(1, B, T + self.k + 2, dev)
+        self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
+        self._store(ctx)
+        self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
+
+    def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (B, Q) at the cache's next slots (position = slot). -> f^ (B, Q, D)"""
+        Q = x_in.shape[1]
+        slots = self.cache.begin_block(Q)  # (B, Q)
+        S = int(slots.max()) + 1
+        ar = torch.arange(S, device=slots.device)  # (S,)
+        allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S) committed pairs + causal block
+        self.cache.attend_len = S
+        try:
+            return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache)
+        finally:
+            self.cache.attend_len = None
+
+    @torch.no_grad()
+    def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        if self.cache is None:
+            raise ValueError("EagleProposer.propose() called before begin()")
+        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+            return self._propose(ctx, sampling, generator)
+
+    def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        B, k, dev = ctx.tokens.shape[0], self.k, ctx.tokens.device
+        # 1. catch up: pairs (f_t, x_{t+1}) for t = base .. L-2, all with the target's features
+        todo = (ctx.lengths - 1 - self.base).clamp(min=0) * ctx.active  # (B,)
+        W = max(int(todo.max()), 1)
+        t = (self.base.view(B, 1) + torch.arange(W, device=dev)).clamp(max=ctx.tokens.shape[1] - 2)  # (B, W)
+        f_in = self.feat.gather(1, t.unsqueeze(-1).expand(B, W, self.feat.shape[-1]))  # (B, W, D)
+        f_hat = self._forward(f_in, ctx.tokens.gather(1, t + 1))  # (B, W, D)
+        self.cache.commit(todo)
+        self.base = self.base + todo
+        last = f_hat[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, D) f^ at the pending token
+        # 2. draft k tokens, feeding the head its own features after the first
+        tokens, qs = [], []
+        for i in range(k):
+            logits = self.head.logits(last).float()  # (B, Vd)
+            if sampling.greedy or self.config.greedy_draft:
+                x = logits.argmax(-1)  # (B,) draft ids
+            else:
+                q_i = logits_to_probs(logits, sampling)  # (B, Vd)
+                x = sample(q_i, generator)  # (B,)
+                full = q_i.new_zeros(B, self.vocab_size)  # (B, V)
+                qs.append(full.scatter_(1, self.head.token_map.expand(B, -1), q_i))
+            x = self.head.token_map[x]  # (B,) target ids
+            tokens.append(x)
+            if i + 1 < k:
+                last = self._forward(last.unsqueeze(1), x.view(B, 1))[:, 0]  # (B, D)
+                self.cache.commit(ctx.active.long())
+        toks = torch.stack(tokens, dim=1)  # (B, k)
+        lengths = torch.full((B,), k, dtype=torch.long, device=dev) * ctx.active  # (B,)
+        toks = torch.where(lengths.view(B, 1) > 0, toks, torch.full_like(toks, -1))  # (B, k)
+        return Draft(tokens=toks, lengths=lengths, q=torch.stack(qs, dim=1) if qs else None)
+
+    def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        # 4. roll back the speculative pairs (predicted features); keep the new true features
+        self.cache.rollback_to(torch.minimum(self.cache.lengths, self.base))
+        self._store(ctx)
+
+
+@torch.no_grad()
+def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int = 15) -> dict:
+    """Median seconds of one drafting step of the head (one pair on a `cache_len` cache + its LM
+    head) and of a 1-token target forward; c = their ratio (the closed form's draft cost)."""
+    import time
+
+    from .draft_eval import measure_cost
+
+    t_target = measure_cost(target, target, cache_len=cache_len, reps=reps)["t_target"]
+    prop = EagleProposer(head)
+    dev = head.fc.weight.device
+    prop.cache = SpecCache(1, 1, cache_len + 2, dev)
+    D = head.hidden_size
+    feats = torch.randn(1, cache_len, D, device=dev, dtype=head.fc.weight.dtype)  # (1, T, D)
+    prop._forward(feats, torch.zeros(1, cache_len, dtype=torch.long, device=dev))
+    prop.cache.commit(torch.full((1,), cache_len, device=dev))
+    times = []
+    with prop.packed.active() if prop.packed is not None else contextlib.nullcontext():
+        for _ in range(reps + 2):
+            t0 = time.perf_counter()
+            f_hat = prop._forward(feats[:, :1], torch.zeros(1, 1, dtype=torch.long, device=dev))  # (1, 1, D)
+            head.logits(f_hat).argmax(-1)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+    t_head = sorted(times[2:])[reps // 2]
+    return {"t_target": t_target, "t_draft": t_head, "c": t_head / t_target}
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
+               dtype: torch.dtype = torch.float16) -> None:
+    """The trained tensors + token_map + a training record, as safetensors (atomic)."""
+    from safetensors.torch import save_file
+
+    tensors = {n: q.detach().to(dtype).cpu().contiguous() for n, q in head.trainable()}
+    tensors["token_map"] = head.token_map.to(torch.int32).cpu().contiguous()
+    meta = {"format": FORMAT, "target_fingerprint": target_fingerprint, "record": json.dumps(record)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path) + ".tmp"
+    save_file(tensors, tmp, metadata=meta)
+    Path(tmp).replace(path)
+
+
+def eagle_info(path=WEIGHTS) -> dict:
+    """The metadata of an EAGLE head file: target_fingerprint, record (dict)."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise ValueError(f"no EAGLE head at {path}; train one with `python -m specref train --method eagle`")
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a specref EAGLE head (format {meta.get('format')!r})")
+    meta["record"] = json.loads(meta.get("record", "{}"))
+    return meta
+
+
+def load_eagle(target: torch.nn.Module, path=WEIGHTS) -> EagleHead:
+    """An EagleHead for `target` with the weights of a file written by save_eagle (default: the
+    committed head of the default model)."""
+    from safetensors.torch import load_file
+
+    from .distill_data import fingerprint
+
+    meta = eagle_info(path)
+    tensors = load_file(str(path))
+    if meta.get("target_fingerprint") != fingerprint(target):
+        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
+                      "it stays lossless but may be accepted rarely")
+    head = EagleHead(target, tensors.pop("token_map").long())
+    params = dict(head.trainable())
+    if set(params) != set(tensors):
+        raise ValueError(f"{path} does not match the head's parameters "
+                         f"(missing {sorted(set(params) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(params))[:3]})")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            params[n].copy_(t.to(params[n]))
+    return head.eval()

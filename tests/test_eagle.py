@@ -1,0 +1,171 @@
+"""Tests of eagle_head.py / eagle_train.py: training, the head's cache dance, greedy parity,
+losslessness of the whole loop (chi-square against the exact joint), weights round trip, errors."""
+import pytest
+import torch
+
+from _stats import power_sample_size
+from specref import oracle
+from specref.distill_data import Seq, collate, teacher_topk
+from specref.eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle, save_eagle
+from specref.eagle_train import EagleTask, EagleTrainConfig, attach_features
+from specref.exact import hf_joint_distribution
+from specref.generate import autoregressive_generate, speculative_generate
+from specref.models import tiny_model
+from specref.sampling import SamplingConfig
+from specref.train import TrainConfig, fit, split_heldout
+from specref.trained_draft import build_token_map
+
+V = 16
+
+
+def _target():
+    # peaked, context-dependent V = 16 target (as test_generate's statistical pair)
+    m = tiny_model("llama", vocab_size=V, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _data(target, n, seed=0):
+    """Sequences sampled from the target: 5-token random prompts, 16 response tokens, top-k, features."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (n, 5), generator=g)  # (n, 5)
+    out = autoregressive_generate(target, prompts, max_new_tokens=16, temperature=1.0, seed=seed)
+    seqs = [Seq(torch.cat([prompts[i], out.tokens[i]]), 5) for i in range(n)]
+    ids, logp = teacher_topk(target, collate(seqs), 8)  # (n, 21, 8)
+    for i, s in enumerate(seqs):
+        s.topk_ids, s.topk_logprobs = ids[i, 4:20], logp[i, 4:20]
+    attach_features(target, seqs, progress=False)
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(target, head, training history): 120 steps on 160 sampled sequences; 12 of 16 tokens drafted."""
+    target = _target()
+    train, held = split_heldout(_data(target, 160), 0.2, seed=0)
+    head = EagleHead(target, build_token_map(train, V, 12), seed=0)
+    cfg = TrainConfig(steps=120, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=120, seed=0)
+    res = fit(EagleTask(head, EagleTrainConfig(w_cls=1.0), seed=0), train, held, cfg, progress=False,
+              log=lambda s: None)
+    return target, head.eval(), res.history
+
+
+def test_training_reduces_regression_and_raises_agreement(trained):
+    _, _, hist = trained
+    first, last = hist[0], hist[-1]
+    assert first["step"] == 0 and last["step"] == 120
+    assert last["heldout_reg"] < first["heldout_reg"] - 0.05, (first, last)
+    assert last["heldout_top1"] > first["heldout_top1"] + 0.2, (first, last)
+    assert last["heldout_top1_step2"] > first["heldout_top1_step2"], (first, last)
+    assert 0 <= last["heldout_accept"] <= 1 and last["heldout_accept"] > first["heldout_accept"]
+
+
+def _reference_draft(target, head, row, k):
+    """The greedy draft recomputed from scratch, no cache: the target's features of row[:-1], the head
+    over every pair (f_t, x_{t+1}), then k steps each re-running the head over all pairs so far."""
+    with torch.no_grad():
+        f = target.model(input_ids=row[None, :-1]).last_hidden_state  # (1, L-1, D)
+        x = row[None, 1:]  # (1, L-1)
+        out = []
+        for _ in range(k):
+            Q = x.shape[1]
+            pos = torch.arange(Q).view(1, Q)  # (1, Q)
+            mask = torch.where(pos.view(1, 1, Q, 1) >= pos.view(1, 1, 1, Q), 0.0, float("-inf"))  # (1, 1, Q, Q)
+            f_hat = head(f, x, pos, mask)  # (1, Q, D)
+            tok = head.token_map[head.logits(f_hat[0, -1]).argmax()]
+            out.append(int(tok))
+            f = torch.cat([f, f_hat[:, -1:]], dim=1)  # (1, Q+1, D)
+            x = torch.cat([x, tok.view(1, 1)], dim=1)  # (1, Q+1)
+    return out
+
+
+def test_draft_equals_recomputation_from_scratch(trained):
+    """Every step of a batched, ragged greedy generation: the cached head drafts exactly what the
+    head drafts when recomputed from the committed tokens alone (catch-up and roll-back are right)."""
+    target, head, _ = trained
+    prop = EagleProposer(head, EagleConfig(k=3))
+    checked, orig = [], prop.propose
+
+    def propose(ctx, sampling, generator):
+        d = orig(ctx, sampling, generator)
+        for b in range(ctx.tokens.shape[0]):
+            if bool(ctx.active[b]):
+                assert d.tokens[b].tolist() == _reference_draft(target, head, ctx.row(b), 3)
+                checked.append(b)
+        return d
+
+    prop.propose = propose
+    ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [0, 0, 0, 0, 9, 9, 2]])
+    mask = (torch.arange(7) >= torch.tensor([2, 0, 4]).view(3, 1)).long()
+    out = speculative_generate(target, prop, ids, mask, max_new_tokens=14, temperature=0)
+    # accepted runs of 2+ drafts (catch-up blocks of 3+ pairs) and rejections both occurred
+    assert len(checked) >= 12 and out.stats.accepted_per_position[1] > 0, out.stats
+    assert out.stats.acceptance_rate < 0.9, out.stats
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_greedy_parity_batched(trained, k):
+    target, head, _ = trained
+    g = torch.Generator().manual_seed(k)
+    ids = torch.randint(0, V, (4, 9), generator=g)
+    mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 1]).view(4, 1)).long()  # left padding
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
+    sp = speculative_generate(target, EagleProposer(head, EagleConfig(k=k)), ids, mask, max_new_tokens=20,
+                              temperature=0, eos_token_id=7)
+    assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
+    assert sp.stats.tokens_per_forward > 1.2, sp.stats  # the trained head is accepted
+    for b in range(4):  # a row alone drafts and emits the same as in the batch
+        one = speculative_generate(target, EagleProposer(head, EagleConfig(k=k)), ids[b:b + 1], mask[b:b + 1],
+                                   max_new_tokens=20, temperature=0, eos_token_id=7)
+        assert one.row(0) == sp.row(b)
+
+
+@pytest.mark.parametrize("case", [
+    # (temperature, top_k, greedy draft, k)
+    (1.0, 0, False, 3),  # plain sampling, sampled draft with q (reduced vocabulary: q = 0 on 4 tokens)
+    (0.7, 5, False, 2),  # temperature + top-k applied to p and q
+    (1.0, 0, True, 2),  # deterministic (argmax) draft: q = None
+])
+def test_whole_loop_lossless(trained, case):
+    """Joint of the first 3 tokens vs the exact distribution, 80,000 rows in one batch; power: the
+    sample size detecting a TV deviation of 0.02 with probability >= 0.99 at 1e-3 is asserted <= n."""
+    target, head, _ = trained
+    temperature, top_k, greedy_draft, k = case
+    L, n = 3, 80_000
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k)).numpy()
+    assert power_sample_size(exact, n) <= n
+    prop = EagleProposer(head, EagleConfig(k=k, greedy_draft=greedy_draft))
+    out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L, temperature=temperature,
+                               top_k=top_k, generator=torch.Generator().manual_seed(k + 10 * top_k))
+    toks = out.tokens[:, :L].numpy()
+    res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(toks, V), V ** L), exact)
+    assert res.p_value > 1e-3, res
+    s = out.stats  # thousands of accepted drafts and of rejections
+    assert s.num_accepted_tokens > 2000 and s.num_draft_tokens - s.num_accepted_tokens > 2000, s
+
+
+def test_weights_round_trip_and_errors(trained, tmp_path):
+    target, head, _ = trained
+    save_eagle(tmp_path / "e.safetensors", head, "fp", {"note": "test"})
+    with pytest.warns(UserWarning, match="another target"):
+        again = load_eagle(target, tmp_path / "e.safetensors")
+    assert torch.equal(again.token_map, head.token_map)
+    for (n, a), (_, b) in zip(head.trainable(), again.trainable()):
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-2), n  # stored as float16
+    assert {n for n, _ in head.trainable()} >= {"fc.weight", "layer.mlp.up_proj.weight", "norm.weight"}
+    assert not head.lm_head.weight.requires_grad  # the target's LM head rows stay frozen
+    with pytest.raises(ValueError, match="not a specref EAGLE head|no EAGLE head"):
+        load_eagle(target, tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="EagleHead"):
+        EagleProposer(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="k must be"):
+        EagleConfig(k=0)
+    with pytest.raises(ValueError, match="token_map"):
+        EagleHead(target, torch.tensor([0, V]))
+    with pytest.raises(ValueError, match="features"):
+        EagleTask(head).loss(collate([Seq(torch.arange(6), 3)]))
+    prop = EagleProposer(head)
+    with pytest.raises(ValueError, match="before begin"):
+        prop.propose(None, SamplingConfig(0.0), None)
