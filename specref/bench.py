@@ -62,6 +62,7 @@ class BenchConfig:
     question_file: Optional[str] = None  # None: $SPECREF_SPEC_BENCH, else found above the package
     model: str = "default"  # "default" (SmolLM2-135M-Instruct), a local model folder, or "tiny" (tests)
     draft_k: Optional[int] = None  # None: closed-form optimal k from the draft's alpha and measured c
+    # (the trained draft's k; the EAGLE head's upper bound on its adaptive k)
     lookahead: tuple = (7, 5, 7)  # lookahead's (W, N, G): Spec-Bench's setting
     seed: int = 0
     progress: bool = True
@@ -245,8 +246,8 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--question-file", default=None, help="Spec-Bench-format JSONL (default: found)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")
-    ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft "
-                    "(default: closed-form optimum)")
+    ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft, and "
+                    "the most per step of the EAGLE head (default: closed-form optimum)")
     ap.add_argument("--lookahead", default="7,5,7", help="lookahead's W,N,G (default: Spec-Bench's)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)

@@ -217,14 +217,19 @@ def build_methods(cfg, model, eos, target) -> tuple:
             except (ImportError, ValueError, FileNotFoundError) as e:
                 skipped[name] = f"no trained EAGLE head ({e})"
                 continue
+            from .draft_eval import measure_verify_cost
             from .eagle_head import EagleConfig, EagleProposer, measure_head_cost
             from .theory import optimal_k
 
-            ek = cfg.draft_k or (4 if alpha is None else optimal_k(
-                float(alpha), measure_head_cost(target, head)["c"], k_max=10))
-            ec = EagleConfig(k=ek)
-            methods.append(Method("eagle", f"specref EAGLE-1 head (k={ek})",
-                                  spec(lambda: EagleProposer(head, ec)), k=ek))
+            c_head = measure_head_cost(target, head)["c"]
+            ek = cfg.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
+            # per row and step, k' <= k by the same closed form on the row's measured acceptance,
+            # with this machine's costs: a head step plus one more verified token, and c0
+            vc = measure_verify_cost(target, ek)
+            ec = EagleConfig(k=ek, adaptive=True, draft_cost=round(c_head + vc["c"], 4),
+                             verify_cost_fixed=round(vc["c0"], 4))
+            methods.append(Method("eagle", f"specref EAGLE-1 head (adaptive, k<={ek}; c {ec.draft_cost:.3f}, "
+                                  f"c0 {ec.verify_cost_fixed:.3f})", spec(lambda: EagleProposer(head, ec)), k=ek))
         elif name == "hf_pld":
             methods.append(Method("hf_pld", "transformers prompt lookup (10)",
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))

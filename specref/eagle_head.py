@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .cpu_linear import PackedLinears, packing_available
 from .kv_rollback import SpecCache
+from .ngram import best_draft_length
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .target import additive_mask
@@ -116,12 +118,25 @@ class EagleHead(torch.nn.Module):
 class EagleConfig:
     """Settings of the EAGLE-1 chain proposer."""
 
-    k: int = 4  # draft tokens per step (chain depth)
+    k: int = 4  # draft tokens per step (chain depth); with adaptive, the most per step
     greedy_draft: bool = False  # draft argmax tokens (q = None) even when the target samples
+    adaptive: bool = False  # True: each row drafts the k' in 1..k maximising the closed-form speed-up
+    # for its own measured acceptance rate (the rule of NgramConfig.adaptive, never below 1 draft)
+    draft_cost: float = 0.1  # adaptive: c, cost of one more drafted token (a head step plus one more
+    # verified token) over a 1-token target step (measure_head_cost + draft_eval.measure_verify_cost)
+    verify_cost_fixed: float = 0.07  # adaptive: c0, extra cost of any multi-token verify block
+    memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
+    prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1, got {self.k!r}")
+        for name in ("draft_cost", "verify_cost_fixed"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.memory <= 1 or not 0 < self.prior_accept < 1:
+            raise ValueError(f"memory must be in (0, 1] and prior_accept in (0, 1), got "
+                             f"{self.memory!r}, {self.prior_accept!r}")
 
 
 class EagleProposer:
@@ -161,6 +176,9 @@ class EagleProposer:
         self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
         self._store(ctx)
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
+        self.hits = np.full(B, 2.0 * self.config.prior_accept)  # (B,) decayed accepted drafts (+ prior)
+        self.misses = np.full(B, 2.0 * (1.0 - self.config.prior_accept))  # (B,) decayed rejections
+        self.drafted = np.zeros(B, dtype=np.int64)  # (B,) draft length of the last step
 
     def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
         """Feed pairs (B, Q) at the cache's next slots (position = slot). -> f^ (B, Q, D)"""
@@ -184,6 +202,13 @@ class EagleProposer:
 
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         B, k, dev = ctx.tokens.shape[0], self.k, ctx.tokens.device
+        k_row = np.full(B, k, dtype=np.int64)  # (B,)
+        if self.config.adaptive:  # the closed form per row, on its measured acceptance
+            cfg = self.config
+            k_row = np.maximum(best_draft_length(self.hits / (self.hits + self.misses), k, cfg.draft_cost,
+                                                 cfg.verify_cost_fixed), 1)  # (B,)
+        active = ctx.active.cpu().numpy()  # (B,)
+        k = int(k_row[active].max()) if active.any() else 1
         # 1. catch up: pairs (f_t, x_{t+1}) for t = base .. L-2, all with the target's features
         todo = (ctx.lengths - 1 - self.base).clamp(min=0) * ctx.active  # (B,)
         W = max(int(todo.max()), 1)
@@ -210,14 +235,22 @@ class EagleProposer:
                 last = self._forward(last.unsqueeze(1), x.view(B, 1))[:, 0]  # (B, D)
                 self.cache.commit(ctx.active.long())
         toks = torch.stack(tokens, dim=1)  # (B, k)
-        lengths = torch.full((B,), k, dtype=torch.long, device=dev) * ctx.active  # (B,)
-        toks = torch.where(lengths.view(B, 1) > 0, toks, torch.full_like(toks, -1))  # (B, k)
+        self.drafted = k_row * active  # (B,)
+        lengths = torch.as_tensor(self.drafted, device=dev)  # (B,)
+        toks = torch.where(torch.arange(k, device=dev).view(1, k) < lengths.view(B, 1), toks,
+                           torch.full_like(toks, -1))  # (B, k)
         return Draft(tokens=toks, lengths=lengths, q=torch.stack(qs, dim=1) if qs else None)
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         # 4. roll back the speculative pairs (predicted features); keep the new true features
         self.cache.rollback_to(torch.minimum(self.cache.lengths, self.base))
         self._store(ctx)
+        # acceptance counts of a truncated geometric: n accepted, one miss unless all were accepted
+        n = num_accepted.cpu().numpy()  # (B,)
+        seen = self.drafted > 0  # (B,)
+        m = self.config.memory
+        self.hits = np.where(seen, m * self.hits + n, self.hits)
+        self.misses = np.where(seen, m * self.misses + (n < self.drafted), self.misses)
 
 
 @torch.no_grad()
@@ -263,6 +296,7 @@ def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = str(path) + ".tmp"
     save_file(tensors, tmp, metadata=meta)
+    Path(tmp).chmod(0o644)
     Path(tmp).replace(path)
 
 

@@ -187,26 +187,19 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
                        device="cpu", export=None) -> int:
     """Self-distil data with the default model (or reuse `data`), attach the target's features
     (cached in the run folder), train the EAGLE head, save it (and `export` a copy)."""
-    from .distill_data import distill, fingerprint, iter_sequences
-    from .models import cache_root, load_default
-    from .train import fit, split_heldout
+    from .distill_data import fingerprint
+    from .train import distilled_run, fit, split_heldout
     from .trained_draft import build_token_map
 
-    out = Path(out) if out else cache_root() / "train" / f"eagle_seed{train_cfg.seed}"
-    data = Path(data) if data else out / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_default(device=device)
-    for q in target.parameters():
-        q.requires_grad_(False)
-    t0 = time.perf_counter()
-    manifest = distill(target, tok, data, data_cfg)
-    seqs = list(iter_sequences(data))
+    out, target, _, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device,
+                                                           f"eagle_seed{train_cfg.seed}")
     fp = f"{manifest['model_fingerprint']}:{len(seqs)}:{train_cfg.max_len}"
     feat_path = out / "features.safetensors"
+    t0 = time.perf_counter()
     if not load_features(feat_path, seqs, fp):
         attach_features(target, seqs, max_len=train_cfg.max_len)
         save_features(feat_path, seqs, fp)
-    t_data = time.perf_counter() - t0
+    t_data += time.perf_counter() - t0
     train, held = split_heldout(seqs, eagle_cfg.heldout_fraction, train_cfg.seed)
     V = target.get_output_embeddings().weight.shape[0]
     head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)

@@ -243,6 +243,24 @@ def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List
     return ([s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held])
 
 
+def distilled_run(data_cfg, out, data, device, default_name: str):
+    """The first steps of every training command: the run folder (default: <specref cache>/train/
+    <default_name>), the default target frozen, its self-distilled data (made or resumed in `data`,
+    default <out>/data). -> (out, target, tokenizer, manifest, sequences, seconds spent on data)."""
+    from .distill_data import distill, iter_sequences
+    from .models import cache_root, load_default
+
+    out = Path(out) if out else cache_root() / "train" / default_name
+    data = Path(data) if data else out / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    target, tok = load_default(device=device)
+    for q in target.parameters():
+        q.requires_grad_(False)
+    t0 = time.perf_counter()
+    manifest = distill(target, tok, data, data_cfg)
+    return out, target, tok, manifest, list(iter_sequences(data)), time.perf_counter() - t0
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -232,20 +231,9 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
                  device="cpu", export=None, evaluate_after=False, eval_per_category=2,
                  eval_max_new_tokens=128, k=None) -> int:
     """Self-distil data with the default model, train the reduced-vocabulary draft, save it."""
-    from .distill_data import distill, iter_sequences
-    from .models import cache_root, load_default
-    from .train import fit, split_heldout
+    from .train import distilled_run, fit, split_heldout
 
-    out = Path(out) if out else cache_root() / "train" / f"seed{train_cfg.seed}"
-    data = Path(data) if data else out / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    target, tok = load_default(device=device)
-    for q in target.parameters():
-        q.requires_grad_(False)
-    t0 = time.perf_counter()
-    manifest = distill(target, tok, data, data_cfg)
-    t_data = time.perf_counter() - t0
-    seqs = list(iter_sequences(data))
+    out, target, tok, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device, f"seed{train_cfg.seed}")
     train, held = split_heldout(seqs, draft_cfg.heldout_fraction, train_cfg.seed)
     V = target.get_output_embeddings().weight.shape[0]
     token_map = build_token_map(train, V, draft_cfg.draft_vocab)

@@ -121,22 +121,48 @@ def test_greedy_parity_batched(trained, k):
         assert one.row(0) == sp.row(b)
 
 
+@pytest.mark.parametrize("cost", [0.0, 0.05, 0.6])
+def test_adaptive_draft_length(trained, cost):
+    """adaptive=True: rows draft 1..k tokens by the closed form on their own acceptance; greedy parity
+    holds (in a batch and row alone), free drafts keep k, costly ones fall to 1."""
+    target, head, _ = trained
+    cfg = EagleConfig(k=4, adaptive=True, draft_cost=cost, verify_cost_fixed=0.0)
+    ids = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(3))
+    ar = autoregressive_generate(target, ids, max_new_tokens=24, temperature=0)
+    prop, lengths = EagleProposer(head, cfg), []
+    orig = prop.propose
+    prop.propose = lambda ctx, s, g: (lambda d: lengths.extend(d.lengths[ctx.active].tolist()) or d)(orig(ctx, s, g))
+    sp = speculative_generate(target, prop, ids, max_new_tokens=24, temperature=0)
+    assert torch.equal(ar.tokens, sp.tokens)
+    if cost == 0.0:
+        assert set(lengths) == {4}  # free drafts: always the longest
+    elif cost == 0.6:
+        assert set(lengths) == {1}  # a draft token costs more than it can return: the minimum, 1
+    else:
+        assert 4 in lengths and min(lengths) < 4, lengths  # lengths adapt per row and step
+    for b in range(3):  # greedy: a row alone drafts and emits the same as in the batch
+        one = speculative_generate(target, EagleProposer(head, cfg), ids[b:b + 1], max_new_tokens=24,
+                                   temperature=0)
+        assert one.row(0) == sp.row(b)
+
+
 @pytest.mark.parametrize("case", [
-    # (temperature, top_k, greedy draft, k)
-    (1.0, 0, False, 3),  # plain sampling, sampled draft with q (reduced vocabulary: q = 0 on 4 tokens)
-    (0.7, 5, False, 2),  # temperature + top-k applied to p and q
-    (1.0, 0, True, 2),  # deterministic (argmax) draft: q = None
+    # (temperature, top_k, greedy draft, k, adaptive)
+    (1.0, 0, False, 3, False),  # plain sampling, sampled draft with q (reduced vocabulary: q = 0 on 4 tokens)
+    (0.7, 5, False, 2, False),  # temperature + top-k applied to p and q
+    (1.0, 0, True, 2, False),  # deterministic (argmax) draft: q = None
+    (1.0, 0, False, 4, True),  # adaptive (ragged) draft lengths, sampled draft
 ])
 def test_whole_loop_lossless(trained, case):
     """Joint of the first 3 tokens vs the exact distribution, 80,000 rows in one batch; power: the
     sample size detecting a TV deviation of 0.02 with probability >= 0.99 at 1e-3 is asserted <= n."""
     target, head, _ = trained
-    temperature, top_k, greedy_draft, k = case
+    temperature, top_k, greedy_draft, k, adaptive = case
     L, n = 3, 80_000
     prompt = torch.tensor([3, 1, 4, 1, 5])
     exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k)).numpy()
     assert power_sample_size(exact, n) <= n
-    prop = EagleProposer(head, EagleConfig(k=k, greedy_draft=greedy_draft))
+    prop = EagleProposer(head, EagleConfig(k=k, greedy_draft=greedy_draft, adaptive=adaptive, draft_cost=0.05))
     out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L, temperature=temperature,
                                top_k=top_k, generator=torch.Generator().manual_seed(k + 10 * top_k))
     toks = out.tokens[:, :L].numpy()
