@@ -20,8 +20,10 @@ Drafting (Sec. 3.1, chain): the head's own KV cache holds the pairs with TRUE fe
 first feeds the pairs that verification just made true (catch-up), then k-1 pairs of its own
 predicted features and drafted tokens; after verification those speculative slots are dropped
 (they were computed from predicted features) and the accepted positions are re-fed with the
-target's features next step. Left out: EAGLE-2's dynamic draft tree, EAGLE-3's multi-layer
-features and training-time test.
+target's features next step. With `EagleConfig(adaptive=True)` (our addition) each row drafts the
+k' <= k that maximises the closed-form speed-up for its own measured acceptance, the rule of
+ngram.py's adaptive mode (at least one draft, so acceptance keeps being measured).
+Left out: EAGLE-2's dynamic draft tree, EAGLE-3's multi-layer features and training-time test.
 """
 from __future__ import annotations
 
@@ -288,30 +290,19 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
 def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
                dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + a training record, as safetensors (atomic)."""
-    from safetensors.torch import save_file
+    from .train import save_weights
 
-    tensors = {n: q.detach().to(dtype).cpu().contiguous() for n, q in head.trainable()}
-    tensors["token_map"] = head.token_map.to(torch.int32).cpu().contiguous()
-    meta = {"format": FORMAT, "target_fingerprint": target_fingerprint, "record": json.dumps(record)}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path) + ".tmp"
-    save_file(tensors, tmp, metadata=meta)
-    Path(tmp).chmod(0o644)
-    Path(tmp).replace(path)
+    tensors = {n: q.detach().to(dtype).cpu() for n, q in head.trainable()}
+    tensors["token_map"] = head.token_map.to(torch.int32).cpu()
+    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
+                                 "record": json.dumps(record)})
 
 
 def eagle_info(path=WEIGHTS) -> dict:
     """The metadata of an EAGLE head file: target_fingerprint, record (dict)."""
-    from safetensors import safe_open
+    from .train import weights_info
 
-    if not Path(path).is_file():
-        raise ValueError(f"no EAGLE head at {path}; train one with `python -m specref train --method eagle`")
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a specref EAGLE head (format {meta.get('format')!r})")
-    meta["record"] = json.loads(meta.get("record", "{}"))
-    return meta
+    return weights_info(path, FORMAT, "EAGLE head", "train one with `python -m specref train --method eagle`")
 
 
 def load_eagle(target: torch.nn.Module, path=WEIGHTS) -> EagleHead:

@@ -161,6 +161,32 @@ def load_checkpoint(path, task: TrainTask, opt: torch.optim.Optimizer) -> Tuple[
     return int(meta["step"]), json.loads(meta["history"])
 
 
+def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> None:
+    """A trained proposer's tensors + string metadata as one safetensors file (atomic, mode 644)."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path) + ".tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+    Path(tmp).chmod(0o644)
+    Path(tmp).replace(path)
+
+
+def weights_info(path, fmt: str, what: str, how: str) -> dict:
+    """The metadata of a file from save_weights, its "record" parsed; ValueError if the file is
+    missing ("no {what} at ...; {how}") or of another format than `fmt`."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise ValueError(f"no {what} at {path}; {how}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
+    meta["record"] = json.loads(meta.get("record", "{}"))
+    return meta
+
+
 # ----------------------------------------------------------------------------- the loop
 
 

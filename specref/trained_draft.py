@@ -163,33 +163,20 @@ class DraftDistillTask:
 def save_draft(path, draft: torch.nn.Module, token_map: torch.Tensor, target_fingerprint: str,
                record: dict, dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors (not the shared embedding) + token_map + a training record, safetensors."""
-    from safetensors.torch import save_file
+    from .train import save_weights
 
-    tensors = {n: p.detach().to(dtype).cpu().contiguous() for n, p in draft.named_parameters()
-               if p.requires_grad}
-    tensors["token_map"] = token_map.to(torch.int32).cpu().contiguous()
-    meta = {"format": FORMAT, "num_layers": str(draft.config.num_hidden_layers),
-            "draft_vocab": str(token_map.numel()), "target_fingerprint": target_fingerprint,
-            "record": json.dumps(record)}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path) + ".tmp"
-    save_file(tensors, tmp, metadata=meta)
-    Path(tmp).chmod(0o644)
-    Path(tmp).replace(path)
+    tensors = {n: p.detach().to(dtype).cpu() for n, p in draft.named_parameters() if p.requires_grad}
+    tensors["token_map"] = token_map.to(torch.int32).cpu()
+    save_weights(path, tensors, {"format": FORMAT, "num_layers": str(draft.config.num_hidden_layers),
+                                 "draft_vocab": str(token_map.numel()), "target_fingerprint": target_fingerprint,
+                                 "record": json.dumps(record)})
 
 
 def trained_draft_info(path=WEIGHTS) -> dict:
     """The metadata of a trained-draft file: num_layers, draft_vocab, fingerprint, record (dict)."""
-    from safetensors import safe_open
+    from .train import weights_info
 
-    if not Path(path).is_file():
-        raise ValueError(f"no trained draft at {path}; make one with `python -m specref train`")
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a specref trained draft (format {meta.get('format')!r})")
-    meta["record"] = json.loads(meta.get("record", "{}"))
-    return meta
+    return weights_info(path, FORMAT, "trained draft", "make one with `python -m specref train`")
 
 
 def load_trained_draft(target: Optional[torch.nn.Module] = None, path=None
