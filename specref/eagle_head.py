@@ -228,7 +228,7 @@ class EagleProposer:
                 x = logits.argmax(-1)  # (B,) draft ids
             else:
                 q_i = logits_to_probs(logits, sampling)  # (B, Vd)
-                x = sample(q_i, generator)  # (B,)
+                x = _sample_rows(q_i, generator, torch.as_tensor(i < k_row, device=dev))  # (B,)
                 full = q_i.new_zeros(B, self.vocab_size)  # (B, V)
                 qs.append(full.scatter_(1, self.head.token_map.expand(B, -1), q_i))
             x = self.head.token_map[x]  # (B,) target ids
@@ -253,6 +253,18 @@ class EagleProposer:
         m = self.config.memory
         self.hits = np.where(seen, m * self.hits + n, self.hits)
         self.misses = np.where(seen, m * self.misses + (n < self.drafted), self.misses)
+
+
+def _sample_rows(q: torch.Tensor, generator: Generators, rows: torch.Tensor) -> torch.Tensor:
+    """Sample q (B, V) only in the rows that draft this position (rows (B,) bool): with one
+    generator per row, a row's stream then never depends on how long the other rows draft. -> (B,)"""
+    if bool(rows.all()) or not isinstance(generator, (list, tuple)):
+        return sample(q, generator)
+    idx = rows.nonzero().flatten()  # (R,)
+    x = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # (B,) 0 where not drafted
+    if idx.numel():
+        x[idx] = sample(q[idx], [generator[r] for r in idx.tolist()])
+    return x
 
 
 @torch.no_grad()

@@ -23,9 +23,11 @@ Greedy: accept while the draft equals the target's argmax, then emit the target'
 tree: the longest path whose every token is the argmax at its parent).
 
 Randomness, per row and per call (so one generator per row makes rows independent and
-reproducible, see sampling.uniforms): a chain consumes K + 1 uniforms, u[:, i] for the accept test
-of draft position i (drawn even if unused) and u[:, K] for the final token by inverse CDF; a tree
-consumes N + 1: u[:, i] for node i, u[:, N] for the final token. A chain and the same chain written
+reproducible, see sampling.ragged_uniforms): a row with a chain of L_b draft tokens consumes L_b + 1
+uniforms, u[b, i] for the accept test of draft position i (drawn even if unused) and u[b, L_b] for
+the final token by inverse CDF; a row with a tree of N_b nodes consumes N_b + 1: u[b, i] for node
+i, u[b, N_b] for the final token. With one generator per row, a row's draws therefore never depend
+on the other rows' draft lengths (batch independence). A chain and the same chain written
 as a tree (parents [-1, 0, 1, ...]) give identical results from identical generators.
 
 Left out: typical acceptance (lossy, Medusa; see medusa_heads.py), SpecTr's optimal-transport
@@ -38,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from .sampling import Generators, greedy_tokens, sample_from_probs, uniforms
+from .sampling import Generators, greedy_tokens, ragged_uniforms, sample_from_probs
 
 PROB_SUM_TOL = 1e-3  # |sum(p) - 1| allowed per distribution (float32 softmax: ~1e-6)
 
@@ -160,7 +162,7 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
     if q is not None:
         q = _check_probs(q, "q", (B, K, V), valid)
     dev = p.device
-    u = uniforms((K + 1,), B, generator, dev)  # (B, K+1)
+    u = ragged_uniforms(lengths + 1, K + 1, generator, dev)  # (B, K+1), row b uses lengths[b] + 1
     x = draft_tokens.clamp(min=0)  # (B, K) placeholders read token 0, masked by `valid`
     rows = torch.arange(B, device=dev)  # (B,)
 
@@ -186,7 +188,7 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
             resid = (p_j - q[rows, j]).clamp(min=0)  # (B, V) max(0, p - q)
         dist = torch.where(rejected[:, None], resid, p_j)  # (B, V)
         dist = torch.where(dist.sum(1, keepdim=True) > 0, dist, p_j)  # empty residual -> p
-    last = sample_from_probs(dist, u[:, K])  # (B,) inverse CDF, normalises internally
+    last = sample_from_probs(dist, u[rows, lengths])  # (B,) inverse CDF, normalises internally
 
     pos = torch.arange(K + 1, device=dev)[None, :]  # (1, K+1)
     padded = torch.cat([draft_tokens.long(), draft_tokens.new_full((B, 1), -1).long()], 1)  # (B, K+1)
@@ -290,7 +292,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     if q is not None:
         q = _check_probs(q, "q", (B, N, V), valid)
     dev = p.device
-    u = uniforms((N + 1,), B, generator, dev)  # (B, N+1)
+    u = ragged_uniforms(lengths + 1, N + 1, generator, dev)  # (B, N+1), row b uses lengths[b] + 1
     rows = torch.arange(B, device=dev)  # (B,)
     tok = tokens.clamp(min=0)  # (B, N)
 
@@ -329,7 +331,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
         n_acc += taken.long()
         alive &= taken
     # 4. the final token: from the residual after the last rejection, or p at the deepest accepted node
-    last = sample_from_probs(r, u[:, N])  # (B,)
+    last = sample_from_probs(r, u[rows, lengths])  # (B,)
     return _tree_output(_path_of(cur, par, depth, D), tokens, n_acc, last)
 
 

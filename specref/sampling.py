@@ -112,6 +112,24 @@ def uniforms(shape_per_row: Sequence[int], batch: int, generator: Generators,
     return torch.stack(rows).to(device)  # (B, ...)
 
 
+def ragged_uniforms(counts: torch.Tensor, width: int, generator: Generators,
+                    device: Union[str, torch.device]) -> torch.Tensor:
+    """Uniform(0, 1) draws (B, width) where row b needs only its first counts[b] (<= width). With one
+    generator per row, row b draws exactly counts[b] from generator b (the rest of the row is 0.5,
+    never to be read), so how much a row consumes never depends on the other rows. With one shared
+    generator the whole (B, width) block is drawn (rows are not independent then anyway)."""
+    B = int(counts.shape[0])
+    gens = as_generators(generator, B)
+    if len(gens) <= 1:
+        return uniforms((width,), B, generator, device)
+    rows = []
+    for b, g in enumerate(gens):
+        n = int(counts[b])
+        r = torch.rand(n, generator=g, device=g.device)  # (n,)
+        rows.append(torch.cat([r, r.new_full((width - n,), 0.5)]))  # (width,)
+    return torch.stack(rows).to(device)  # (B, width)
+
+
 def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: the smallest index whose cumulative mass exceeds u * total.
 

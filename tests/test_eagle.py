@@ -124,7 +124,8 @@ def test_greedy_parity_batched(trained, k):
 @pytest.mark.parametrize("cost", [0.0, 0.05, 0.6])
 def test_adaptive_draft_length(trained, cost):
     """adaptive=True: rows draft 1..k tokens by the closed form on their own acceptance; greedy parity
-    holds (in a batch and row alone), free drafts keep k, costly ones fall to 1."""
+    holds (in a batch and row alone), free drafts keep k, costly ones fall to 1, and sampled rows
+    reproduce alone what they emit in a batch."""
     target, head, _ = trained
     cfg = EagleConfig(k=4, adaptive=True, draft_cost=cost, verify_cost_fixed=0.0)
     ids = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(3))
@@ -144,6 +145,14 @@ def test_adaptive_draft_length(trained, cost):
         one = speculative_generate(target, EagleProposer(head, cfg), ids[b:b + 1], max_new_tokens=24,
                                    temperature=0)
         assert one.row(0) == sp.row(b)
+    # sampled, one generator per row: rows draft different lengths, yet each reproduces alone
+    gens = lambda rows: [torch.Generator().manual_seed(50 + b) for b in rows]  # noqa: E731
+    batch = speculative_generate(target, EagleProposer(head, cfg), ids, max_new_tokens=24, temperature=1.0,
+                                 generator=gens(range(3)))
+    for b in range(3):
+        one = speculative_generate(target, EagleProposer(head, cfg), ids[b:b + 1], max_new_tokens=24,
+                                   temperature=1.0, generator=gens([b]))
+        assert one.row(0) == batch.row(b)
 
 
 @pytest.mark.parametrize("case", [

@@ -509,3 +509,23 @@ def test_chain_properties(B, K, vocab, with_q, seed, data):
         gr = verify_chain_greedy(d, p)
         assert gr.tokens.shape == (B, K + 1) and bool((gr.num_accepted <= lengths).all())
         assert torch.equal(verify_chain_greedy(d[b:b + 1], p[b:b + 1]).tokens[0], gr.tokens[b])
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_row_alone_equals_row_in_a_ragged_batch(with_q):
+    """One generator per row: a row's result does not depend on the other rows' draft lengths (it
+    consumes its own lengths[b] + 1 uniforms), so it equals the row verified alone. 64 rows, K = 4,
+    lengths 0..4; the final token of a short row used to read u[:, K] of the batch's widest row."""
+    B, K, Vv = 64, 4, 6
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(B, K + 1, Vv, generator=g) * 2, -1)  # (B, K+1, V)
+    q = torch.softmax(torch.randn(B, K, Vv, generator=g) * 2, -1) if with_q else None  # (B, K, V)
+    lengths = torch.randint(0, K + 1, (B,), generator=g)  # (B,)
+    d = torch.randint(0, Vv, (B, K), generator=g)  # (B, K)
+    d = torch.where(torch.arange(K)[None, :] < lengths[:, None], d, -1)
+    both = verify_chain(d, p, q, lengths=lengths, generator=make_generators(77, B))
+    for b in range(B):
+        L = int(lengths[b])
+        one = verify_chain(d[b:b + 1, :L], p[b:b + 1, :L + 1], None if q is None else q[b:b + 1, :L],
+                           lengths=lengths[b:b + 1], generator=[make_generators(77, B)[b]])
+        assert one.tokens[0, :L + 1].tolist() == both.tokens[b, :L + 1].tolist(), b
