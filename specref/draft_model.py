@@ -99,7 +99,8 @@ class DraftModelProposer:
             else:
                 q_i = logits_to_probs(last, sampling)  # (B, Vd)
                 x = sample(q_i, generator)  # (B,)
-                qs.append(self._to_target_vocab(q_i))  # (B, V)
+                qs.append(q_i if self.token_map is None else
+                          to_target_vocab(q_i, self.token_map, self.vocab_size))  # (B, V)
             if self.token_map is not None:
                 x = self.token_map[x]  # (B,) target ids: the next input is a target id
             tokens.append(x)
@@ -114,19 +115,19 @@ class DraftModelProposer:
         q = torch.stack(qs, dim=1) if qs else None  # (B, k, V)
         return Draft(tokens=toks, lengths=lengths, q=q)
 
-    def _to_target_vocab(self, q: torch.Tensor) -> torch.Tensor:
-        """(B, Vd) draft-vocab probabilities -> (B, V), zero outside the draft vocabulary."""
-        if self.token_map is None:
-            return q
-        full = q.new_zeros(q.shape[0], self.vocab_size)  # (B, V)
-        return full.scatter_(1, self.token_map.expand(q.shape[0], -1), q)
-
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         # valid draft K/V: the old context plus the accepted drafts it fed (at most k-1)
         keep = torch.minimum(self.done, self.ctx_len + num_accepted.to(self.done))  # (B,)
         keep = torch.minimum(keep, self.cache.lengths)
         self.cache.rollback_to(keep)
         self.done = keep
+
+
+def to_target_vocab(q: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, Vd) draft-vocabulary probabilities -> (B, V) over target ids (token_map (Vd,)), zero
+    outside the draft vocabulary (a reduced draft vocabulary stays lossless: q = 0 there)."""
+    full = q.new_zeros(q.shape[0], vocab_size)  # (B, V)
+    return full.scatter_(1, token_map.expand(q.shape[0], -1), q)
 
 
 def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:

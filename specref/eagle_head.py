@@ -39,11 +39,12 @@ import numpy as np
 import torch
 
 from .cpu_linear import PackedLinears, packing_available
+from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
 from .ngram import best_draft_length
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample
-from .target import additive_mask
+from .target import Target, additive_mask
 
 FORMAT = "specref-eagle-1"
 WEIGHTS = Path(__file__).with_name("weights") / "smollm2_135m_eagle.safetensors"
@@ -92,7 +93,6 @@ class EagleHead(torch.nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.register_buffer("token_map", token_map.to(p.device), persistent=False)  # (Vd,)
         self._shared = (inner.embed_tokens, inner.rotary_emb)  # not submodules: never trained or saved
-        self.config = target.config
 
     def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 mask: Optional[torch.Tensor], cache=None) -> torch.Tensor:
@@ -189,11 +189,8 @@ class EagleProposer:
         S = int(slots.max()) + 1
         ar = torch.arange(S, device=slots.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S) committed pairs + causal block
-        self.cache.attend_len = S
-        try:
+        with Target._attending(self.cache, S):
             return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache)
-        finally:
-            self.cache.attend_len = None
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
@@ -229,8 +226,7 @@ class EagleProposer:
             else:
                 q_i = logits_to_probs(logits, sampling)  # (B, Vd)
                 x = _sample_rows(q_i, generator, torch.as_tensor(i < k_row, device=dev))  # (B,)
-                full = q_i.new_zeros(B, self.vocab_size)  # (B, V)
-                qs.append(full.scatter_(1, self.head.token_map.expand(B, -1), q_i))
+                qs.append(to_target_vocab(q_i, self.head.token_map, self.vocab_size))  # (B, V)
             x = self.head.token_map[x]  # (B,) target ids
             tokens.append(x)
             if i + 1 < k:
@@ -273,9 +269,10 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
     head) and of a 1-token target forward; c = their ratio (the closed form's draft cost)."""
     import time
 
-    from .draft_eval import measure_cost
+    from .draft_eval import _median_block_times
 
-    t_target = measure_cost(target, target, cache_len=cache_len, reps=reps)["t_target"]
+    tgt = target if isinstance(target, Target) else Target(target)
+    t_target = _median_block_times(tgt, [1], cache_len, reps, warmup=2)[1]
     prop = EagleProposer(head)
     dev = head.fc.weight.device
     prop.cache = SpecCache(1, 1, cache_len + 2, dev)

@@ -187,7 +187,6 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
                        device="cpu", export=None) -> int:
     """Self-distil data with the default model (or reuse `data`), attach the target's features
     (cached in the run folder), train the EAGLE head, save it (and `export` a copy)."""
-    from .distill_data import fingerprint
     from .train import distilled_run, fit, split_heldout
     from .trained_draft import build_token_map
 
@@ -210,7 +209,7 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
               "data_seconds_this_run": t_data, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
               "train_sequences": len(train), "heldout_sequences": len(held)}
     for path in [out / "eagle.safetensors"] + ([Path(export)] if export else []):
-        save_eagle(path, head, fingerprint(target), record)
+        save_eagle(path, head, manifest["model_fingerprint"], record)
         print(f"saved {path}")
     print(json.dumps(record, indent=1))
     return 0
