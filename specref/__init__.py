@@ -8,6 +8,7 @@ Heavy submodules (models, the oracle's checks) import their optional dependencie
 """
 from .draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
 from .eagle_head import EagleConfig, EagleHead, EagleProposer
+from .hybrid import HybridProposer
 from .generate import GenerationOutput, GenerationStats, NullProposer, autoregressive_generate, speculative_generate
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
@@ -33,7 +34,7 @@ def load_default(*args, **kwargs):
 
 __all__ = [
     "ChainResult", "Context", "EagleConfig", "EagleHead", "EagleProposer", "Report", "check_generator", "check_rejection_sampler", "joint_index", "Draft", "DraftModelConfig", "DraftModelProposer", "GREEDY",
-    "GenerationOutput", "LookaheadConfig", "LookaheadProposer", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
+    "GenerationOutput", "HybridProposer", "LookaheadConfig", "LookaheadProposer", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
     "SamplingConfig", "SpecCache", "Target", "TargetConfig", "TreeResult", "autoregressive_generate",
     "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "load_default",
     "logits_to_probs", "make_generators", "optimal_k", "propose_ngram", "samples_for_tv",

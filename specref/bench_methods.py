@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hf_pld", "hf_assist")
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):
@@ -134,6 +134,7 @@ def _spec_record(out) -> dict:
 def build_methods(cfg, model, eos, target) -> tuple:
     """(methods in run order, {skipped name: reason})."""
     from .generate import autoregressive_generate, speculative_generate
+    from .hybrid import HybridConfig, HybridProposer
     from .ngram import NgramConfig, NgramProposer
 
     N, T, dev = cfg.max_new_tokens, cfg.temperature, model.device
@@ -142,7 +143,18 @@ def build_methods(cfg, model, eos, target) -> tuple:
     eos_ids = set() if eos is None else set([eos] if isinstance(eos, int) else eos)
     methods: List[Method] = []
     skipped: Dict[str, str] = {}
-    trained: dict = {}  # loaded once for "draft" and "hf_assist"
+    trained: dict = {}  # loaded once for "draft", "hf_assist" and "hybrid_draft"
+    eagle: dict = {}  # loaded once for "eagle" and "hybrid"
+    ngram: list = []  # the n-gram settings, measured once
+
+    def ngram_config() -> NgramConfig:
+        if not ngram:
+            from .draft_eval import measure_verify_cost
+
+            vc = measure_verify_cost(target, 10)  # the draft length rule needs this machine's costs
+            ngram.append(NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4),
+                                     verify_cost_fixed=round(vc["c0"], 4)))
+        return ngram[0]
 
     def spec(make_proposer):
         return lambda ids, max_len, seed, n=N: _spec_record(speculative_generate(
@@ -174,11 +186,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
         if name == "hf":
             methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
         elif name == "ngram":
-            from .draft_eval import measure_verify_cost
-
-            vc = measure_verify_cost(target, 10)  # the draft length rule needs this machine's costs
-            ng = NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4),
-                             verify_cost_fixed=round(vc["c0"], 4))
+            ng = ngram_config()
             methods.append(Method("ngram", f"specref n-gram (adaptive, k<=10; c {ng.draft_cost:.3f}, "
                                   f"c0 {ng.verify_cost_fixed:.3f})", spec(lambda: NgramProposer(ng)), k=ng.k))
         elif name == "lookahead":
@@ -191,7 +199,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
             la = LookaheadConfig(W=W, N=Nn, G=G)
             methods.append(Method("lookahead", f"specref lookahead (W {W}, N {Nn}, G {G})",
                                   spec(lambda: LookaheadProposer(la)), k=LookaheadProposer(la).k))
-        elif name in ("draft", "hf_assist"):
+        elif name in ("draft", "hf_assist", "hybrid_draft"):
             try:
                 if not trained:
                     draft, token_map, alpha = _trained_draft(cfg, model)
@@ -201,35 +209,46 @@ def build_methods(cfg, model, eos, target) -> tuple:
                 skipped[name] = f"no trained draft ({e})"
                 continue
             draft, token_map, k = trained["draft"], trained["token_map"], trained["k"]
-            if name == "draft":
+            if name in ("draft", "hybrid_draft"):
                 from .draft_model import DraftModelConfig, DraftModelProposer
 
                 dk = DraftModelConfig(k=k)
-                methods.append(Method("draft", f"specref trained draft (k={k})", spec(
-                    lambda: DraftModelProposer(draft, dk, token_map=token_map, vocab_size=V)), k=k))
+                make = lambda: DraftModelProposer(draft, dk, token_map=token_map, vocab_size=V)  # noqa: E731
+                if name == "draft":
+                    methods.append(Method("draft", f"specref trained draft (k={k})", spec(make), k=k))
+                else:
+                    ng = ngram_config()
+                    methods.append(Method("hybrid_draft", f"specref n-gram, else trained draft (k={k}; {_costs(ng)})",
+                                          spec(lambda: HybridProposer(NgramProposer(ng), make())), k=max(k, ng.k)))
             else:
                 assistant = _as_assistant(draft, token_map, V, k)
                 methods.append(Method("hf_assist", f"transformers assisted, trained draft (k={k})",
                                       hf({"assistant_model": assistant}, [0]), k=k, specref=False))
-        elif name == "eagle":
+        elif name in ("eagle", "hybrid", "hybrid_tree"):
             try:
-                head, alpha = _eagle_head(cfg, model)
+                if not eagle:
+                    eagle.update(_eagle_setup(cfg, model, target))
             except (ImportError, ValueError, FileNotFoundError) as e:
                 skipped[name] = f"no trained EAGLE head ({e})"
                 continue
-            from .draft_eval import measure_verify_cost
-            from .eagle_head import EagleConfig, EagleProposer, measure_head_cost
-            from .theory import optimal_k
+            from .eagle_head import EagleProposer
 
-            c_head = measure_head_cost(target, head)["c"]
-            ek = cfg.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
-            # per row and step, k' <= k by the same closed form on the row's measured acceptance,
-            # with this machine's costs: a head step plus one more verified token, and c0
-            vc = measure_verify_cost(target, ek)
-            ec = EagleConfig(k=ek, adaptive=True, draft_cost=round(c_head + vc["c"], 4),
-                             verify_cost_fixed=round(vc["c0"], 4))
-            methods.append(Method("eagle", f"specref EAGLE-1 head (adaptive, k<={ek}; c {ec.draft_cost:.3f}, "
-                                  f"c0 {ec.verify_cost_fixed:.3f})", spec(lambda: EagleProposer(head, ec)), k=ek))
+            head, ec = eagle["head"], eagle["config"]
+            if name == "eagle":
+                methods.append(Method("eagle", f"specref EAGLE-1 head (adaptive, k<={ec.k}; c {ec.draft_cost:.3f}, "
+                                      f"c0 {ec.verify_cost_fixed:.3f})", spec(lambda: EagleProposer(head, ec)), k=ec.k))
+            elif name == "hybrid":
+                ng = ngram_config()
+                methods.append(Method("hybrid", f"specref n-gram, else EAGLE-1 head (adaptive, k<={ec.k}; "
+                                      f"{_costs(ng)} / {_costs(ec)})",
+                                      spec(lambda: HybridProposer(NgramProposer(ng), EagleProposer(head, ec))),
+                                      k=max(ec.k, ng.k)))
+            else:
+                ng, tree = ngram_config(), HybridConfig(mode="tree")
+                methods.append(Method("hybrid_tree", f"specref n-gram and EAGLE-1 head as a 2-branch tree "
+                                      f"(k<={ec.k}; {_costs(ng)} / {_costs(ec)})",
+                                      spec(lambda: HybridProposer(NgramProposer(ng), EagleProposer(head, ec), tree)),
+                                      k=ec.k + ng.k))
         elif name == "hf_pld":
             methods.append(Method("hf_pld", "transformers prompt lookup (10)",
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))
@@ -238,6 +257,27 @@ def build_methods(cfg, model, eos, target) -> tuple:
     base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed, n=N: _spec_record(
         autoregressive_generate(target, ids, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})))
     return [base] + methods, skipped
+
+
+def _costs(c) -> str:
+    """The measured costs an adaptive config decides with, for a method's label."""
+    return f"c {c.draft_cost:.3f}, c0 {c.verify_cost_fixed:.3f}"
+
+
+def _eagle_setup(cfg, model, target) -> dict:
+    """The committed head and its adaptive EagleConfig: k by the closed form from the held-out alpha
+    and the measured head cost; per row and step k' <= k by the same closed form on the row's
+    measured acceptance, with this machine's costs (a head step plus one more verified token, c0)."""
+    from .draft_eval import measure_verify_cost
+    from .eagle_head import EagleConfig, measure_head_cost
+    from .theory import optimal_k
+
+    head, alpha = _eagle_head(cfg, model)
+    c_head = measure_head_cost(target, head)["c"]
+    ek = cfg.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
+    vc = measure_verify_cost(target, ek)
+    return dict(head=head, config=EagleConfig(k=ek, adaptive=True, draft_cost=round(c_head + vc["c"], 4),
+                                              verify_cost_fixed=round(vc["c0"], 4)))
 
 
 def _draft_k(target, draft, alpha) -> int:

@@ -72,7 +72,9 @@ class DraftModelProposer:
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
-        self.cache = self.lm.new_cache(B, T + self.k + 2)
+        # 2T: a row left out of some steps (hybrid.py) catches up later in one block, and a block is
+        # written at every row's next slots, also those of rows already caught up
+        self.cache = self.lm.new_cache(B, 2 * T + self.k + 2)
         P = int(ctx.lengths.max()) - 1
         self.lm.prefill(self.cache, ctx.tokens[:, :P], ctx.lengths - 1, logits=False)
         self.done = ctx.lengths - 1  # (B,)
@@ -108,7 +110,7 @@ class DraftModelProposer:
                 last = self.lm.verify_chain(self.cache, x.view(B, 1)).logits[:, 0]  # (B, V)
                 self.cache.commit(ctx.active.long())
         self.ctx_len = ctx.lengths.clone()
-        self.done = torch.where(ctx.active, ctx.lengths + (k - 1), ctx.lengths)  # (B,)
+        self.done = torch.where(ctx.active, ctx.lengths + (k - 1), self.done + todo)  # (B,) inactive: as was
         toks = torch.stack(tokens, dim=1)  # (B, k)
         lengths = torch.full((B,), k, dtype=torch.long, device=dev) * ctx.active  # (B,)
         toks = torch.where(lengths.view(B, 1) > 0, toks, torch.full_like(toks, -1))  # (B, k)
@@ -116,11 +118,14 @@ class DraftModelProposer:
         return Draft(tokens=toks, lengths=lengths, q=q)
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        if self.ctx_len is None:  # no draft since the last update (a step hybrid.py gave prompt lookup)
+            return
         # valid draft K/V: the old context plus the accepted drafts it fed (at most k-1)
         keep = torch.minimum(self.done, self.ctx_len + num_accepted.to(self.done))  # (B,)
         keep = torch.minimum(keep, self.cache.lengths)
         self.cache.rollback_to(keep)
         self.done = keep
+        self.ctx_len = None
 
 
 def to_target_vocab(q: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:

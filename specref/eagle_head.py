@@ -174,7 +174,9 @@ class EagleProposer:
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
         dev = ctx.tokens.device
-        self.cache = SpecCache(1, B, T + self.k + 2, dev)
+        # 2T: a row left out of some steps (hybrid.py) catches up later in one block, and a block is
+        # written at every row's next slots, also those of rows already caught up
+        self.cache = SpecCache(1, B, 2 * T + self.k + 2, dev)
         self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
         self._store(ctx)
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
@@ -249,6 +251,7 @@ class EagleProposer:
         m = self.config.memory
         self.hits = np.where(seen, m * self.hits + n, self.hits)
         self.misses = np.where(seen, m * self.misses + (n < self.drafted), self.misses)
+        self.drafted = np.zeros_like(self.drafted)  # counted once (hybrid.py may skip a propose)
 
 
 def _sample_rows(q: torch.Tensor, generator: Generators, rows: torch.Tensor) -> torch.Tensor:
