@@ -22,7 +22,7 @@ import torch
 
 from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
-from .sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample
+from .sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample_rows
 from .target import Target, TargetConfig
 
 
@@ -100,7 +100,7 @@ class DraftModelProposer:
                 x = greedy_tokens(last)  # (B,) draft-vocab ids
             else:
                 q_i = logits_to_probs(last, sampling)  # (B, Vd)
-                x = sample(q_i, generator)  # (B,)
+                x = sample_rows(q_i, generator, ctx.active)  # (B,) rows left out draw nothing
                 qs.append(q_i if self.token_map is None else
                           to_target_vocab(q_i, self.token_map, self.vocab_size))  # (B, V)
             if self.token_map is not None:

@@ -43,7 +43,7 @@ from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
 from .ngram import best_draft_length
 from .proposer import Context, Draft, Generators
-from .sampling import SamplingConfig, logits_to_probs, sample
+from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import Target, additive_mask
 
 FORMAT = "specref-eagle-1"
@@ -227,7 +227,7 @@ class EagleProposer:
                 x = logits.argmax(-1)  # (B,) draft ids
             else:
                 q_i = logits_to_probs(logits, sampling)  # (B, Vd)
-                x = _sample_rows(q_i, generator, torch.as_tensor(i < k_row, device=dev))  # (B,)
+                x = sample_rows(q_i, generator, torch.as_tensor(i < k_row, device=dev) & ctx.active)  # (B,)
                 qs.append(to_target_vocab(q_i, self.head.token_map, self.vocab_size))  # (B, V)
             x = self.head.token_map[x]  # (B,) target ids
             tokens.append(x)
@@ -252,18 +252,6 @@ class EagleProposer:
         self.hits = np.where(seen, m * self.hits + n, self.hits)
         self.misses = np.where(seen, m * self.misses + (n < self.drafted), self.misses)
         self.drafted = np.zeros_like(self.drafted)  # counted once (hybrid.py may skip a propose)
-
-
-def _sample_rows(q: torch.Tensor, generator: Generators, rows: torch.Tensor) -> torch.Tensor:
-    """Sample q (B, V) only in the rows that draft this position (rows (B,) bool): with one
-    generator per row, a row's stream then never depends on how long the other rows draft. -> (B,)"""
-    if bool(rows.all()) or not isinstance(generator, (list, tuple)):
-        return sample(q, generator)
-    idx = rows.nonzero().flatten()  # (R,)
-    x = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # (B,) 0 where not drafted
-    if idx.numel():
-        x[idx] = sample(q[idx], [generator[r] for r in idx.tolist()])
-    return x
 
 
 @torch.no_grad()

@@ -151,3 +151,17 @@ def sample(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
     """Draw one token per row from probs (B, V) with explicit generator(s). -> (B,)."""
     u = uniforms((), probs.shape[0], generator, probs.device)  # (B,)
     return sample_from_probs(probs, u)
+
+
+def sample_rows(probs: torch.Tensor, generator: Generators, rows: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from probs (B, V), but only in `rows` (B,) bool (0 elsewhere): with one
+    generator per row, a row that does not draft this position draws nothing, so its stream never
+    depends on the other rows' draft lengths or on a combined proposer leaving it out. -> (B,)"""
+    if bool(rows.all()) or not isinstance(generator, (list, tuple)):  # one shared generator: all rows draw
+        return sample(probs, generator)
+    idx = rows.nonzero().flatten()  # (R,)
+    x = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)  # (B,) 0 where not drafted
+    if idx.numel():
+        gens = as_generators(generator, probs.shape[0])
+        x[idx] = sample(probs[idx], [gens[r] for r in idx.tolist()])
+    return x

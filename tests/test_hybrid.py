@@ -58,6 +58,23 @@ def test_greedy_parity_and_both_sources(target, kind, mode):
         assert one.row(0) == sp.row(b)
 
 
+@pytest.mark.parametrize("mode", ["select", "tree"])
+@pytest.mark.parametrize("kind", ["eagle", "draft"])
+def test_sampled_row_alone_equals_row_in_batch(target, kind, mode):
+    """One generator per row, temperature 1: each row emits alone exactly what it emits in the batch,
+    although other rows switch between the two sources (and draft other lengths) in other steps."""
+    ids = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(9))  # (4, 8)
+    ids[0, 4:] = ids[0, :4]
+    gens = lambda rows: [torch.Generator().manual_seed(70 + b) for b in rows]  # noqa: E731
+    prop = _hybrid(target, kind, k=2, mode=mode)
+    batch = speculative_generate(target, prop, ids, max_new_tokens=24, temperature=1.0, generator=gens(range(4)))
+    assert min(prop.source_counts) >= 5, prop.source_counts
+    for b in range(4):
+        one = speculative_generate(target, _hybrid(target, kind, k=2, mode=mode), ids[b:b + 1],
+                                   max_new_tokens=24, temperature=1.0, generator=gens([b]))
+        assert one.row(0) == batch.row(b), b
+
+
 def _scratch_draft(target, kind, module, row, k):
     """The greedy draft of `row` (committed tokens, pending last) recomputed without any cache."""
     if kind == "eagle":
