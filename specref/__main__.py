@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         elif argv[0] == "bench":
             from .bench import bench_main as sub_main
         else:
-            from .train import train_main as sub_main
+            from .train_cli import train_main as sub_main
         return sub_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m specref", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
