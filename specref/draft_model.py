@@ -110,7 +110,7 @@ class DraftModelProposer:
                 last = self.lm.verify_chain(self.cache, x.view(B, 1)).logits[:, 0]  # (B, V)
                 self.cache.commit(ctx.active.long())
         self.ctx_len = ctx.lengths.clone()
-        self.done = torch.where(ctx.active, ctx.lengths + (k - 1), self.done + todo)  # (B,) inactive: as was
+        self.done = torch.where(ctx.active, ctx.lengths + (k - 1), self.done)  # (B,) inactive rows: as was
         toks = torch.stack(tokens, dim=1)  # (B, k)
         lengths = torch.full((B,), k, dtype=torch.long, device=dev) * ctx.active  # (B,)
         toks = torch.where(lengths.view(B, 1) > 0, toks, torch.full_like(toks, -1))  # (B, k)

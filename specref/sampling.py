@@ -119,9 +119,11 @@ def ragged_uniforms(counts: torch.Tensor, width: int, generator: Generators,
     never to be read), so how much a row consumes never depends on the other rows. With one shared
     generator the whole (B, width) block is drawn (rows are not independent then anyway)."""
     B = int(counts.shape[0])
-    gens = as_generators(generator, B)
-    if len(gens) <= 1:
+    if not isinstance(generator, (list, tuple)):  # one shared generator (or torch's global one)
         return uniforms((width,), B, generator, device)
+    gens = as_generators(generator, B)
+    if not gens:
+        return torch.empty((0, width), device=device)  # (0, width)
     rows = []
     for b, g in enumerate(gens):
         n = int(counts[b])
@@ -155,13 +157,8 @@ def sample(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
 
 def sample_rows(probs: torch.Tensor, generator: Generators, rows: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from probs (B, V), but only in `rows` (B,) bool (0 elsewhere): with one
-    generator per row, a row that does not draft this position draws nothing, so its stream never
-    depends on the other rows' draft lengths or on a combined proposer leaving it out. -> (B,)"""
-    if bool(rows.all()) or not isinstance(generator, (list, tuple)):  # one shared generator: all rows draw
-        return sample(probs, generator)
-    idx = rows.nonzero().flatten()  # (R,)
-    x = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)  # (B,) 0 where not drafted
-    if idx.numel():
-        gens = as_generators(generator, probs.shape[0])
-        x[idx] = sample(probs[idx], [gens[r] for r in idx.tolist()])
-    return x
+    generator per row, a row that does not draft this position draws nothing (ragged_uniforms), so
+    its stream never depends on the other rows' draft lengths or on a combined proposer leaving it
+    out. -> (B,)"""
+    u = ragged_uniforms(rows.long(), 1, generator, probs.device)[:, 0]  # (B,)
+    return torch.where(rows, sample_from_probs(probs, u), 0)  # (B,)
