@@ -1,21 +1,25 @@
 """specref: a pure-PyTorch reference library of speculative decoding.
 
-    from specref import speculative_generate, DraftModelProposer, load_default
+    from specref import speculative_generate, NgramProposer, load_default
     model, tok = load_default()
     out = speculative_generate(model, NgramProposer(), input_ids, max_new_tokens=64, temperature=0)
 
-Heavy submodules (models, the oracle's checks) import their optional dependencies lazily.
+Everything a user needs is re-exported here. The package: the core (sampling, rejection, tree,
+kv_rollback, target, proposer, generate, theory, costs), one module per method (draft_model,
+ngram, lookahead, eagle_head, hybrid), and three wings: oracle/ (is a sampler lossless?),
+training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
+submodules (models, training, bench) import their optional dependencies lazily.
 """
-from .draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
-from .eagle_head import EagleConfig, EagleHead, EagleProposer
-from .hybrid import HybridProposer
+from .costs import measure_cost, measure_verify_cost
+from .draft_model import DraftModelConfig, DraftModelProposer, load_trained_draft, truncated_draft
+from .eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle
 from .generate import GenerationOutput, GenerationStats, NullProposer, autoregressive_generate, speculative_generate
+from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
 from .ngram import NgramConfig, NgramProposer, propose_ngram
-from .oracle import chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance
-from .oracle_check import Report, check_rejection_sampler
-from .oracle_generator import check_generator
+from .oracle import (Report, check_generator, check_rejection_sampler, chi_square_gof, chi_square_two_sample,
+                     detectable_tv, joint_index, samples_for_tv, tv_distance)
 from .proposer import Context, Draft, Proposer
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
@@ -32,12 +36,15 @@ def load_default(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = [
-    "ChainResult", "Context", "EagleConfig", "EagleHead", "EagleProposer", "Report", "check_generator", "check_rejection_sampler", "joint_index", "Draft", "DraftModelConfig", "DraftModelProposer", "GREEDY",
-    "GenerationOutput", "HybridProposer", "LookaheadConfig", "LookaheadProposer", "GenerationStats", "NgramConfig", "NgramProposer", "NullProposer", "Proposer",
-    "SamplingConfig", "SpecCache", "Target", "TargetConfig", "TreeResult", "autoregressive_generate",
-    "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "load_default",
-    "logits_to_probs", "make_generators", "optimal_k", "propose_ngram", "samples_for_tv",
+__all__ = [  # sorted
+    "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "EagleConfig",
+    "EagleHead", "EagleProposer", "GREEDY", "GenerationOutput", "GenerationStats", "HybridConfig",
+    "HybridProposer", "LookaheadConfig", "LookaheadProposer", "NgramConfig", "NgramProposer",
+    "NullProposer", "Proposer", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
+    "TreeResult", "autoregressive_generate", "check_generator", "check_rejection_sampler",
+    "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "joint_index",
+    "load_default", "load_eagle", "load_trained_draft", "logits_to_probs", "make_generators",
+    "measure_cost", "measure_verify_cost", "optimal_k", "propose_ngram", "samples_for_tv",
     "speculative_generate", "speedup", "truncated_draft", "tv_distance", "verify_chain",
     "verify_chain_greedy", "verify_tree", "verify_tree_greedy",
 ]

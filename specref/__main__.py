@@ -3,9 +3,9 @@
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
            sampled, with the speed-up over autoregressive_generate measured in the same run.
 generate - one prompt through any local model folder or GGUF file, with a chosen proposer.
-oracle   - check a rejection sampler for losslessness (see oracle_check.py).
-bench    - every method side by side on Spec-Bench prompts (bench.py, writes BENCHMARKS.md).
-train    - self-distilled data and draft training (train.py).
+oracle   - check a rejection sampler for losslessness (oracle/).
+bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
+train    - self-distilled data and training of the draft or the EAGLE head (training/).
 """
 from __future__ import annotations
 
@@ -124,11 +124,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("oracle", "bench", "train"):  # subcommands with their own parsers
         if argv[0] == "oracle":
-            from .oracle_check import oracle_main as sub_main
+            from .oracle.cli import oracle_main as sub_main
         elif argv[0] == "bench":
-            from .bench import bench_main as sub_main
+            from .bench.runner import bench_main as sub_main
         else:
-            from .train_cli import train_main as sub_main
+            from .training.cli import train_main as sub_main
         return sub_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m specref", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

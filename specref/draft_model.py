@@ -9,14 +9,19 @@ token when all k were accepted (the draft never fed its own k-th token).
 
 `truncated_draft(model, num_layers)` builds the zero-training draft: the target's first L
 decoder layers with its embeddings, final norm and LM head (weights shared, no copy). Untrained
-it is accepted rarely (DESIGN.md: ~1% for 4 of 30 layers on the default model); train.py
-distils it. Left out: draft-side tree search (that is EAGLE-2's), a draft with another tokenizer.
+it is accepted rarely (DESIGN.md: ~1% for 4 of 30 layers on the default model).
+`build_draft` / `load_trained_draft` below give the trained reduced-vocabulary draft of the
+default model (training/draft.py trains it). Left out: draft-side tree search (that is EAGLE-2's),
+a draft with another tokenizer.
 """
 from __future__ import annotations
 
 import copy
+import json
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,6 +29,7 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample_rows
 from .target import Target, TargetConfig
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
 
 
 @dataclass(frozen=True)
@@ -68,16 +74,17 @@ class DraftModelProposer:
             self.vocab_size = int(vocab_size)
         self.cache: Optional[SpecCache] = None
         self.done = None  # (B,) context tokens whose K/V the draft cache holds
-        self.ctx_len = None  # (B,) context length at the last propose
+        self.ctx_len = None  # (B,) context length at the last propose (= done after an update)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
-        # 2T: a row left out of some steps (hybrid.py) catches up later in one block, and a block is
-        # written at every row's next slots, also those of rows already caught up
+        # 2T slots: a row outside ctx.active for some steps catches up later in one block, written
+        # at every row's next slots; only that block's padding columns get positions past the context
         self.cache = self.lm.new_cache(B, 2 * T + self.k + 2)
         P = int(ctx.lengths.max()) - 1
         self.lm.prefill(self.cache, ctx.tokens[:, :P], ctx.lengths - 1, logits=False)
         self.done = ctx.lengths - 1  # (B,)
+        self.ctx_len = self.done  # (B,) nothing speculative yet: an update() now keeps everything
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
@@ -118,14 +125,12 @@ class DraftModelProposer:
         return Draft(tokens=toks, lengths=lengths, q=q)
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
-        if self.ctx_len is None:  # no draft since the last update (a step hybrid.py gave prompt lookup)
-            return
-        # valid draft K/V: the old context plus the accepted drafts it fed (at most k-1)
+        # valid draft K/V: the old context plus the accepted drafts it fed (at most k-1); rows it
+        # did not draft since the last update (done <= ctx_len) keep what they had
         keep = torch.minimum(self.done, self.ctx_len + num_accepted.to(self.done))  # (B,)
         keep = torch.minimum(keep, self.cache.lengths)
         self.cache.rollback_to(keep)
-        self.done = keep
-        self.ctx_len = None
+        self.done = self.ctx_len = keep
 
 
 def to_target_vocab(q: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -135,21 +140,28 @@ def to_target_vocab(q: torch.Tensor, token_map: torch.Tensor, vocab_size: int) -
     return full.scatter_(1, token_map.expand(q.shape[0], -1), q)
 
 
-def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """The target's first `num_layers` decoder layers + its final norm and LM head, weights shared.
-
-    Works for models that keep their decoder layers in `model.model.layers` (the Llama family).
-    """
+def _first_layers(model: torch.nn.Module, num_layers: int):
+    """(model.model, its decoder layers, a copy of the config cut to num_layers) of a Llama-family
+    LM; ValueError if it keeps no `model.layers` or num_layers is out of range."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} keeps no `model.layers`; cannot truncate it")
+        raise ValueError(f"{type(model).__name__} keeps no `model.layers`; cannot build a draft from its layers")
     if not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers!r}")
     cfg = copy.deepcopy(model.config)
     cfg.num_hidden_layers = num_layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    return inner, layers, cfg
+
+
+def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The target's first `num_layers` decoder layers + its final norm and LM head, weights shared.
+
+    Works for models that keep their decoder layers in `model.model.layers` (the Llama family).
+    """
+    inner, layers, cfg = _first_layers(model, num_layers)
     draft = copy.copy(model)  # shallow: shares every parameter with the target
     draft._modules = dict(model._modules)  # own module dicts, so the target stays untouched
     sub = copy.copy(inner)
@@ -159,3 +171,70 @@ def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
     draft.model = sub
     draft.config = cfg
     return draft
+
+
+# ----------------------------------------------------------------------------- the trained draft
+# A draft for the default model trained by `python -m specref train` (training/draft.py): the
+# target's frozen input embedding (storage shared), its first L decoder layers and final norm
+# (copied, trained), and an LM head over the Vd most frequent tokens (a reduced vocabulary).
+
+WEIGHTS = FOLDER / "smollm2_135m_draft.safetensors"
+FORMAT = "specref-draft-1"
+
+
+def build_draft(target: torch.nn.Module, num_layers: int, token_map: torch.Tensor) -> torch.nn.Module:
+    """An HF causal LM: the target's frozen input embedding (storage shared), copies of its first
+    num_layers layers and final norm, and an LM head (Vd, D) = the target's output rows token_map."""
+    from transformers import AutoModelForCausalLM
+
+    inner, layers, cfg = _first_layers(target, num_layers)
+    token_map = torch.as_tensor(token_map, dtype=torch.long)
+    cfg.vocab_size = int(token_map.numel())  # the LM head's size; inputs are still target ids
+    cfg.tie_word_embeddings = False
+    p = next(target.parameters())
+    draft = AutoModelForCausalLM.from_config(cfg).to(device=p.device, dtype=p.dtype)
+    for i in range(num_layers):
+        draft.model.layers[i].load_state_dict(layers[i].state_dict())
+    draft.model.norm.load_state_dict(inner.norm.state_dict())
+    emb = inner.embed_tokens.weight.detach()  # (V, D), shared storage, never trained
+    draft.model.embed_tokens = torch.nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb, _freeze=True)
+    with torch.no_grad():
+        head = target.get_output_embeddings().weight  # (V, D)
+        draft.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
+    return draft.eval()
+
+
+def save_draft(path, draft: torch.nn.Module, token_map: torch.Tensor, target_fingerprint: str,
+               record: dict, dtype: torch.dtype = torch.float16) -> None:
+    """The trained tensors (not the shared embedding) + token_map + a training record, safetensors."""
+    tensors = {n: p.detach().to(dtype).cpu() for n, p in draft.named_parameters() if p.requires_grad}
+    tensors["token_map"] = token_map.to(torch.int32).cpu()
+    save_weights(path, tensors, {"format": FORMAT, "num_layers": str(draft.config.num_hidden_layers),
+                                 "draft_vocab": str(token_map.numel()), "target_fingerprint": target_fingerprint,
+                                 "record": json.dumps(record)})
+
+
+def trained_draft_info(path=WEIGHTS) -> dict:
+    """The metadata of a trained-draft file: num_layers, draft_vocab, fingerprint, record (dict)."""
+    return weights_info(path, FORMAT, "trained draft", "make one with `python -m specref train`")
+
+
+def load_trained_draft(target: Optional[torch.nn.Module] = None, path=None
+                       ) -> Tuple[torch.nn.Module, torch.Tensor]:
+    """(draft model, token_map (Vd,)) for DraftModelProposer(draft, cfg, token_map, vocab_size=V).
+
+    target: the model the draft was trained for (default: models.load_default()); its embedding is
+    shared. path: a file from `python -m specref train` (default: the committed weights)."""
+    path = WEIGHTS if path is None else Path(path)
+    info = trained_draft_info(path)
+    if target is None:
+        from .models import load_default
+
+        target, _ = load_default()
+    if info["target_fingerprint"] != fingerprint(target):
+        warnings.warn(f"{path} was trained for a target with fingerprint {info['target_fingerprint']}, "
+                      "not this one: it stays lossless but may be accepted rarely")
+    token_map = load_token_map(path)  # (Vd,)
+    draft = build_draft(target, int(info["num_layers"]), token_map)
+    load_tensors(path, {n: q for n, q in draft.named_parameters() if q.requires_grad}, "trained draft")
+    return draft.eval(), token_map.to(next(target.parameters()).device)

@@ -30,24 +30,26 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .cpu_linear import PackedLinears, packing_available
+from .backends.cpu_linear import PackedLinears, packing_available
+from .costs import device_sync, median_block_times
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
-from .ngram import best_draft_length
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
-from .target import Target, additive_mask
+from .target import Target, additive_mask, attending
+from .theory import DecayedAcceptance, best_draft_length, check_costs
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
 
 FORMAT = "specref-eagle-1"
-WEIGHTS = Path(__file__).with_name("weights") / "smollm2_135m_eagle.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors"
 
 
 class EagleHead(torch.nn.Module):
@@ -125,7 +127,7 @@ class EagleConfig:
     adaptive: bool = False  # True: each row drafts the k' in 1..k maximising the closed-form speed-up
     # for its own measured acceptance rate (the rule of NgramConfig.adaptive, never below 1 draft)
     draft_cost: float = 0.1  # adaptive: c, cost of one more drafted token (a head step plus one more
-    # verified token) over a 1-token target step (measure_head_cost + draft_eval.measure_verify_cost)
+    # verified token) over a 1-token target step (measure_head_cost + costs.measure_verify_cost)
     verify_cost_fixed: float = 0.07  # adaptive: c0, extra cost of any multi-token verify block
     memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate
@@ -133,12 +135,7 @@ class EagleConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1, got {self.k!r}")
-        for name in ("draft_cost", "verify_cost_fixed"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 < self.memory <= 1 or not 0 < self.prior_accept < 1:
-            raise ValueError(f"memory must be in (0, 1] and prior_accept in (0, 1), got "
-                             f"{self.memory!r}, {self.prior_accept!r}")
+        check_costs(self)
 
 
 class EagleProposer:
@@ -154,7 +151,7 @@ class EagleProposer:
         self.vocab_size = head.vocab_size
         self.cache: Optional[SpecCache] = None
         dev = head.fc.weight.device
-        # CPU fp32: the head's linears pre-packed for oneDNN, as the target's (cpu_linear.py)
+        # CPU fp32: the head's linears pre-packed for oneDNN, as the target's (backends/cpu_linear.py)
         self.packed = PackedLinears.of(head) if dev.type == "cpu" and packing_available() else None
 
     def _store(self, ctx: Context) -> None:
@@ -174,14 +171,13 @@ class EagleProposer:
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
         dev = ctx.tokens.device
-        # 2T: a row left out of some steps (hybrid.py) catches up later in one block, and a block is
-        # written at every row's next slots, also those of rows already caught up
+        # 2T slots: a row outside ctx.active for some steps catches up later in one block, written
+        # at every row's next slots; only that block's padding columns get positions past the context
         self.cache = SpecCache(1, B, 2 * T + self.k + 2, dev)
         self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
         self._store(ctx)
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
-        self.hits = np.full(B, 2.0 * self.config.prior_accept)  # (B,) decayed accepted drafts (+ prior)
-        self.misses = np.full(B, 2.0 * (1.0 - self.config.prior_accept))  # (B,) decayed rejections
+        self.acceptance = DecayedAcceptance(B, self.config.prior_accept, self.config.memory)  # per row
         self.drafted = np.zeros(B, dtype=np.int64)  # (B,) draft length of the last step
 
     def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
@@ -191,7 +187,7 @@ class EagleProposer:
         S = int(slots.max()) + 1
         ar = torch.arange(S, device=slots.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S) committed pairs + causal block
-        with Target._attending(self.cache, S):
+        with attending(self.cache, S):
             return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache)
 
     @torch.no_grad()
@@ -206,7 +202,7 @@ class EagleProposer:
         k_row = np.full(B, k, dtype=np.int64)  # (B,)
         if self.config.adaptive:  # the closed form per row, on its measured acceptance
             cfg = self.config
-            k_row = np.maximum(best_draft_length(self.hits / (self.hits + self.misses), k, cfg.draft_cost,
+            k_row = np.maximum(best_draft_length(self.acceptance.rate, k, cfg.draft_cost,
                                                  cfg.verify_cost_fixed), 1)  # (B,)
         active = ctx.active.cpu().numpy()  # (B,)
         k = int(k_row[active].max()) if active.any() else 1
@@ -247,23 +243,16 @@ class EagleProposer:
         self._store(ctx)
         # acceptance counts of a truncated geometric: n accepted, one miss unless all were accepted
         n = num_accepted.cpu().numpy()  # (B,)
-        seen = self.drafted > 0  # (B,)
-        m = self.config.memory
-        self.hits = np.where(seen, m * self.hits + n, self.hits)
-        self.misses = np.where(seen, m * self.misses + (n < self.drafted), self.misses)
-        self.drafted = np.zeros_like(self.drafted)  # counted once (hybrid.py may skip a propose)
+        self.acceptance.observe(n, (n < self.drafted).astype(np.float64), self.drafted > 0)
+        self.drafted = np.zeros_like(self.drafted)  # counted once: an update without a propose sees none
 
 
 @torch.no_grad()
 def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int = 15) -> dict:
     """Median seconds of one drafting step of the head (one pair on a `cache_len` cache + its LM
     head) and of a 1-token target forward; c = their ratio (the closed form's draft cost)."""
-    import time
-
-    from .draft_eval import _median_block_times
-
     tgt = target if isinstance(target, Target) else Target(target)
-    t_target = _median_block_times(tgt, [1], cache_len, reps, warmup=2)[1]
+    t_target = median_block_times(tgt, [1], cache_len, reps, warmup=2)[1]
     prop = EagleProposer(head)
     dev = head.fc.weight.device
     prop.cache = SpecCache(1, 1, cache_len + 2, dev)
@@ -277,8 +266,7 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
             t0 = time.perf_counter()
             f_hat = prop._forward(feats[:, :1], torch.zeros(1, 1, dtype=torch.long, device=dev))  # (1, 1, D)
             head.logits(f_hat).argmax(-1)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            device_sync(dev)
             times.append(time.perf_counter() - t0)
     t_head = sorted(times[2:])[reps // 2]
     return {"t_target": t_target, "t_draft": t_head, "c": t_head / t_target}
@@ -290,8 +278,6 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
 def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
                dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + a training record, as safetensors (atomic)."""
-    from .train import save_weights
-
     tensors = {n: q.detach().to(dtype).cpu() for n, q in head.trainable()}
     tensors["token_map"] = head.token_map.to(torch.int32).cpu()
     save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
@@ -300,29 +286,16 @@ def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
 
 def eagle_info(path=WEIGHTS) -> dict:
     """The metadata of an EAGLE head file: target_fingerprint, record (dict)."""
-    from .train import weights_info
-
     return weights_info(path, FORMAT, "EAGLE head", "train one with `python -m specref train --method eagle`")
 
 
 def load_eagle(target: torch.nn.Module, path=WEIGHTS) -> EagleHead:
     """An EagleHead for `target` with the weights of a file written by save_eagle (default: the
     committed head of the default model)."""
-    from safetensors.torch import load_file
-
-    from .distill_data import fingerprint
-
     meta = eagle_info(path)
-    tensors = load_file(str(path))
     if meta.get("target_fingerprint") != fingerprint(target):
         warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
                       "it stays lossless but may be accepted rarely")
-    head = EagleHead(target, tensors.pop("token_map").long())
-    params = dict(head.trainable())
-    if set(params) != set(tensors):
-        raise ValueError(f"{path} does not match the head's parameters "
-                         f"(missing {sorted(set(params) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(params))[:3]})")
-    with torch.no_grad():
-        for n, t in tensors.items():
-            params[n].copy_(t.to(params[n]))
+    head = EagleHead(target, load_token_map(path))
+    load_tensors(path, dict(head.trainable()), "EAGLE head")
     return head.eval()

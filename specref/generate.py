@@ -1,9 +1,10 @@
 """speculative_generate() and autoregressive_generate(): the one decoding loop of specref.
 
 Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): each step
-  1. draft   - a proposer guesses up to k tokens per row (chain) or a token tree;
-  2. verify  - the target scores [last committed token, draft...] in ONE forward;
-  3. accept  - rejection.py accepts a prefix and emits one recovered or bonus token per row;
+  1. draft    - a proposer guesses up to k tokens per row (chain) or a token tree;
+  2. verify   - the target scores [last committed token, draft...] in ONE forward;
+  3. accept   - rejection.py accepts a prefix (a tree path) and emits one recovered or bonus token
+                per row; the row keeps them up to its token budget and its first eos;
   4. roll back - the KV cache keeps the accepted slots; the proposer is told what was accepted.
 Every emitted token comes out of step 3, so the output is distributed exactly as direct sampling
 from the target with the same sampling settings (proven by the chi-square tests), and under greedy
@@ -12,7 +13,9 @@ decoding it is token-for-token the target's greedy output.
 The baseline `autoregressive_generate` is the same loop with an empty draft (a block of one token),
 on the same cache, forward and sampling code, so a speed ratio between the two measures only
 speculation. Batches are ragged: each row keeps its own length in the cache, accepts its own count
-and stops on its own (eos inside an accepted run truncates the row there).
+and stops on its own (eos inside an accepted run truncates the row there). Counters stay on the
+device until the end; the phases are timed on the host clock, and the device is synchronised for
+it only with `timing=True` (exact on CUDA then; on CPU the host clock is exact anyway).
 Left out: beam search, repetition penalties and other logits processors (they would have to be
 applied identically to p and, if sampled, q).
 """
@@ -25,8 +28,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import rejection, tree
-from .proposer import Context, Draft, Generators
-from .sampling import SamplingConfig, logits_to_probs, make_generators
+from .costs import device_sync
+from .proposer import Context, Draft
+from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
 from .target import Target
 
 
@@ -36,14 +40,14 @@ class GenerationStats:
 
     num_drafts: int = 0  # row-steps that verified a non-empty draft
     num_draft_tokens: int = 0  # draft tokens (or tree nodes) sent to verification
-    num_accepted_tokens: int = 0  # draft tokens accepted
+    num_accepted_tokens: int = 0  # accepted draft tokens that were emitted (not past an eos or the budget)
     accepted_per_position: List[int] = field(default_factory=list)  # accepted count at draft position i
     drafted_per_position: List[int] = field(default_factory=list)  # drafts offered at position i
     num_row_steps: int = 0  # (row, step) pairs in which a row was active
     num_emitted_tokens: int = 0  # tokens emitted (all rows)
     target_forwards: int = 0  # verify forwards (the prefill is not counted)
     wall_time: float = 0.0  # whole call
-    prefill_time: float = 0.0
+    prefill_time: float = 0.0  # the phases, host clock (device-exact with timing=True)
     draft_time: float = 0.0  # time inside the proposer
     verify_time: float = 0.0  # target forwards + rejection step
 
@@ -90,6 +94,61 @@ class NullProposer:
         pass
 
 
+@dataclass
+class _Block:
+    """Step 2's result: the draft as verified and the target's scores of it."""
+
+    tokens: torch.Tensor  # (B, N) draft tokens (tree nodes), -1 padded
+    lengths: torch.Tensor  # (B,) draft tokens (nodes) of each row sent to verification
+    depth: torch.Tensor  # (B,) the deepest draft position offered (chain: its length)
+    parents: Optional[torch.Tensor]  # (B, N) for a tree, None for a chain
+    logits: torch.Tensor  # (B, 1+N, V): row i predicts the token after [pending, ..node i-1]
+    hidden: Optional[torch.Tensor]  # (B, Q, D_h) the block's target features, or None
+
+
+@dataclass
+class StepResult:
+    """Step 3's result, per row: what the rejection step accepted and emitted."""
+
+    emitted: torch.Tensor  # (B, W) accepted drafts then the recovered or bonus token, -1 after
+    num_accepted: torch.Tensor  # (B,) drafts (tree: path nodes) accepted, before eos and budget
+    path: Optional[torch.Tensor] = None  # (B, W-1) node indices of the accepted tree path, or None
+
+
+class _Counters:
+    """The loop's statistics, accumulated on the device; read once, by `fill`."""
+
+    def __init__(self, device: torch.device):
+        self.dev = device
+        self.totals = torch.zeros(5, dtype=torch.long, device=device)  # row-steps, emitted, drafts,
+        # draft tokens, accepted
+        self.drafted = torch.zeros(0, dtype=torch.long, device=device)  # (P,) per draft position
+        self.accepted = torch.zeros(0, dtype=torch.long, device=device)  # (P,)
+        self.forwards = 0
+
+    def add(self, block: _Block, step: StepResult, active: torch.Tensor, num_emit: torch.Tensor,
+            accepted: torch.Tensor) -> None:
+        """One step: rows active, tokens emitted, drafts verified, accepted drafts emitted (B,) each;
+        per draft position i: rows offering it (depth > i) and accepting it (accepted > i)."""
+        self.forwards += 1
+        self.totals += torch.stack([active.sum(), num_emit.sum(), (block.lengths > 0).sum(),
+                                    block.lengths.sum(), accepted.sum()])
+        P = step.emitted.shape[1] - 1  # the deepest position verified this step (host-known)
+        if P > self.drafted.numel():
+            grow = torch.zeros(P - self.drafted.numel(), dtype=torch.long, device=self.dev)
+            self.drafted, self.accepted = torch.cat([self.drafted, grow]), torch.cat([self.accepted, grow])
+        i = torch.arange(P, device=self.dev).view(1, P)  # (1, P)
+        self.drafted[:P] += (i < block.depth.view(-1, 1)).sum(0)
+        self.accepted[:P] += (i < accepted.view(-1, 1)).sum(0)
+
+    def fill(self, stats: GenerationStats) -> None:
+        (stats.num_row_steps, stats.num_emitted_tokens, stats.num_drafts, stats.num_draft_tokens,
+         stats.num_accepted_tokens) = self.totals.tolist()
+        stats.drafted_per_position = self.drafted.tolist()
+        stats.accepted_per_position = self.accepted.tolist()
+        stats.target_forwards = self.forwards
+
+
 def _rows_from_prompt(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                       vocab: int) -> List[torch.Tensor]:
     """Accept left- or right-padded (B, T) prompts with an attention mask; one tensor per row."""
@@ -122,11 +181,6 @@ def _rows_from_prompt(input_ids: torch.Tensor, attention_mask: Optional[torch.Te
     return rows
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def speculative_generate(
     target: Union[Target, torch.nn.Module],
     proposer,
@@ -141,6 +195,7 @@ def speculative_generate(
     generator: Generators = None,
     seed: Optional[int] = None,
     max_len: Optional[int] = None,
+    timing: bool = False,
 ) -> GenerationOutput:
     """Generate up to max_new_tokens per row with speculative decoding.
 
@@ -148,6 +203,8 @@ def speculative_generate(
     input_ids (B, T) with attention_mask (left or right padding) or (T,). temperature 0 = greedy.
     generator: one torch.Generator for the batch or one per row; else `seed` seeds one per row
     (seed, seed+1, ...); with neither, a random seed is drawn from torch's global generator.
+    max_len: the target cache's slots per row (default: just enough). timing: synchronise the
+    device around each phase so that stats' phase times are exact on CUDA (the bench sets it).
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats).
     """
     t_start = time.perf_counter()
@@ -176,143 +233,97 @@ def speculative_generate(
                                     B, dev)
     stats = GenerationStats()
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
-    T_ctx = int(prompt_len.max()) + max_new_tokens + max(k, 1) + 1
+    P_max = int(prompt_len.max())
+    if tgt.max_positions is not None and P_max + max_new_tokens > tgt.max_positions:
+        raise ValueError(f"the longest prompt ({P_max} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the model's {tgt.max_positions} positions")
+    K = max(k, 1)  # the widest step: K drafts + 1 (chain) or depth K + 1 (tree)
+    T_ctx = P_max + max_new_tokens + K + 1
     if max_len is None:  # compiled graphs are specialised on the cache size: round it up
         max_len = -(-T_ctx // 256) * 256 if tgt.config.compile else T_ctx
     if max_len < T_ctx:
-        raise ValueError(f"max_len {max_len} is too small: the longest prompt ({int(prompt_len.max())} "
-                         f"tokens) + max_new_tokens ({max_new_tokens}) + k + 1 needs {T_ctx}")
-    out_tokens = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=dev)  # (B, N)
+        raise ValueError(f"max_len {max_len} is too small: the longest prompt ({P_max} tokens) + "
+                         f"max_new_tokens ({max_new_tokens}) + k + 1 needs {T_ctx}")
+    out_tokens = torch.full((B, max_new_tokens + K + 1), -1, dtype=torch.long, device=dev)  # (B, N + K + 1)
     n_new = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
     if max_new_tokens == 0:
         stats.wall_time = time.perf_counter() - t_start
-        return GenerationOutput(out_tokens, n_new, stats)
+        return GenerationOutput(out_tokens[:, :0], n_new, stats)
 
     ctx_tokens = torch.zeros((B, T_ctx), dtype=torch.long, device=dev)  # (B, T)
     for b, r in enumerate(rows):
         ctx_tokens[b, : len(r)] = r.to(dev)
     ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(), active=torch.ones(B, dtype=torch.bool, device=dev))
     cache = tgt.new_cache(B, max_len)
+    counters = _Counters(dev)
+
+    def clock() -> float:
+        if timing:
+            device_sync(dev)
+        return time.perf_counter()
 
     with tgt.session():  # CPU: packed linears swapped in once for every forward of the loop
         # 0. prefill every prompt token but the last, which opens the first verify block
-        t0 = time.perf_counter()
-        P = int(prompt_len.max()) - 1
-        pre = tgt.prefill(cache, ctx_tokens[:, :P], prompt_len - 1, logits=False, hidden_layers=want_h)
+        t0 = clock()
+        pre = tgt.prefill(cache, ctx_tokens[:, :P_max - 1], prompt_len - 1, logits=False, hidden_layers=want_h)
         if want_h is not None:
             ctx.hidden, ctx.hidden_len = pre.hidden, prompt_len - 1  # (B, P, D), (B,)
-        _sync(dev)
-        stats.prefill_time = time.perf_counter() - t0
+        stats.prefill_time = clock() - t0
         proposer.begin(ctx, sampling, generator)
-        ar_B = torch.arange(B, device=dev)  # (B,)
 
         while bool(ctx.active.any()):
             # 1. draft
-            t0 = time.perf_counter()
+            t0 = clock()
             draft = proposer.propose(ctx, sampling, generator)
-            _sync(dev)
-            t1 = time.perf_counter()
-            stats.draft_time += t1 - t0
+            t1 = clock()
+            # 2. verify: the target scores [pending token, draft] in one forward
             budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
-            pending = ctx_tokens[ar_B, ctx.lengths - 1]  # (B,)
-
-            # 2. verify and 3. accept
-            if draft.is_tree:
-                emitted, n_acc, path, lengths, depth_of, hidden = _verify_tree(
-                    tgt, cache, draft, pending, ctx.active, sampling, generator, proposer, want_h)
-            else:
-                lengths = torch.minimum(draft.lengths.to(dev), budget) * ctx.active  # (B,)
-                emitted, n_acc, hidden = _verify_chain(tgt, cache, draft, pending, lengths, sampling,
-                                                       generator, k, want_h)
-                path, depth_of = None, None
-            W = emitted.shape[1]  # K+1 (chain) or D+1 (tree)
-            num_emit = torch.minimum(n_acc + 1, budget + 1) * ctx.active  # (B,)
-            if eos.numel():
-                is_eos = (emitted.unsqueeze(-1) == eos).any(-1)  # (B, K+1)
-                is_eos &= torch.arange(W, device=dev).view(1, -1) < num_emit.view(B, 1)
-                first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, num_emit)  # (B,)
-                num_emit = torch.minimum(num_emit, first)
-                hit_eos = is_eos.any(1)  # (B,)
-            else:
-                hit_eos = torch.zeros(B, dtype=torch.bool, device=dev)
-            _sync(dev)
-            stats.verify_time += time.perf_counter() - t1
+            pending = ctx_tokens.gather(1, (ctx.lengths - 1).view(B, 1)).view(B)  # (B,)
+            verify = _verify_tree if draft.is_tree else _verify_chain
+            block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer)
+            # 3. accept: rejection.py, then each row's cut at its token budget and first eos
+            step = _accept(block, draft.q, sampling, generator)
+            if step.emitted.shape[1] > K + 1:
+                raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
+                                 f"than its k = {k}")
+            num_emit, hit_eos = _kept(step, budget, ctx.active, eos)  # (B,), (B,)
+            t2 = clock()
+            stats.draft_time += t1 - t0
+            stats.verify_time += t2 - t1
 
             # 4. roll back: keep the pending token and the accepted drafts; the last emitted is pending
-            if path is None:
-                cache.commit(num_emit)
-            else:  # block offsets of the root and the accepted nodes, gathered to contiguous slots
-                offsets = torch.cat([torch.zeros_like(path[:, :1]), path + 1], dim=1)  # (B, D+1)
-                cache.commit_path(offsets, num_emit)
-                if hidden is not None:  # features of the root and the accepted path
-                    hidden = hidden.gather(1, offsets.clamp(min=0).unsqueeze(-1).expand(
-                        B, offsets.shape[1], hidden.shape[-1]))  # (B, D+1, D_h)
-            j = torch.arange(W, device=dev).view(1, -1)  # (1, W)
-            write = j < num_emit.view(B, 1)  # (B, W)
-            r_idx = ar_B.view(B, 1).expand(B, W)[write]  # (E,) emitted tokens of all rows, flat
-            ctx_tokens[r_idx, (ctx.lengths.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
-            out_tokens[r_idx, (n_new.view(B, 1) + j).expand(B, W)[write]] = emitted[write]
-            was_active = ctx.active.clone()
+            hidden = _commit(cache, step, num_emit, block.hidden)
+            _write(ctx_tokens, ctx.lengths, step.emitted, num_emit)
+            _write(out_tokens, n_new, step.emitted, num_emit)
+            accepted = torch.minimum(step.num_accepted, num_emit)  # (B,) accepted drafts emitted
+            counters.add(block, step, ctx.active, num_emit, accepted)
             ctx.lengths += num_emit
             n_new += num_emit
             ctx.active &= ~hit_eos & (n_new < max_new_tokens)
             if want_h is not None:
                 ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
-            proposer.update(ctx, torch.minimum(n_acc, (num_emit - 1).clamp(min=0)))
-
-            stats.target_forwards += 1
-            n_rows = int(was_active.sum())
-            stats.num_row_steps += n_rows
-            stats.num_emitted_tokens += int(num_emit.sum())
-            stats.num_drafts += int((lengths > 0).sum())
-            stats.num_draft_tokens += int(lengths.sum())
-            stats.num_accepted_tokens += int((n_acc * was_active).sum())
-            # acceptance per draft position (chain) or per depth (tree)
-            acc = (n_acc * was_active)  # (B,)
-            if depth_of is None:
-                K = int(lengths.max()) if B else 0
-                drafted = (torch.arange(K, device=dev).view(1, K) < lengths.view(B, 1)).sum(0)  # (K,)
-            else:
-                K = int(depth_of.max()) if depth_of.numel() else 0
-                deepest = depth_of.max(1).values if depth_of.shape[1] else torch.zeros_like(acc)  # (B,)
-                drafted = (torch.arange(K, device=dev).view(1, K) < deepest.view(B, 1)).sum(0)  # (K,) trees that deep
-            accepted = (torch.arange(K, device=dev).view(1, K) < acc.view(B, 1)).sum(0)  # (K,)
-            while len(stats.drafted_per_position) < K:
-                stats.drafted_per_position.append(0)
-                stats.accepted_per_position.append(0)
-            for i, (d_i, a_i) in enumerate(zip(drafted.tolist(), accepted.tolist())):
-                stats.drafted_per_position[i] += d_i
-                stats.accepted_per_position[i] += a_i
+            proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
+    counters.fill(stats)
     stats.wall_time = time.perf_counter() - t_start
-    return GenerationOutput(out_tokens, n_new, stats)
+    return GenerationOutput(out_tokens[:, :max_new_tokens].contiguous(), n_new, stats)
 
 
-def _verify_chain(tgt, cache, draft, pending, lengths, sampling, generator, k_max, hidden_layers=None):
-    """Score [pending, draft chain] in one forward and run the rejection step.
-
-    -> emitted (B, K+1), accepted (B,), hidden states (B, K+1, D) or None."""
+def _verify_chain(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer) -> _Block:
+    """Score [pending, draft chain] in one forward; drafts are cut to each row's token budget."""
     B, dev = pending.shape[0], pending.device
+    lengths = torch.minimum(draft.lengths.to(dev), budget) * active  # (B,)
     K = int(lengths.max()) if B else 0
     pos = torch.arange(K, device=dev)  # (K,)
     d_tok = draft.tokens[:, :K].to(dev)  # (B, K)
     d_tok = torch.where(pos.view(1, K) < lengths.view(B, 1), d_tok, torch.full_like(d_tok, -1))  # (B, K)
     block = torch.cat([pending.unsqueeze(1), d_tok], dim=1)  # (B, K+1)
-    out = tgt.verify_chain(cache, block, pad_to=k_max + 1, hidden_layers=hidden_layers)
-    logits = out.logits  # (B, K+1, V)
-    if sampling.greedy:
-        res = rejection.verify_chain_greedy(d_tok, logits, lengths=lengths)
-    else:
-        p = logits_to_probs(logits, sampling)  # (B, K+1, V)
-        q = None if draft.q is None else draft.q[:, :K].to(p)  # (B, K, V)
-        res = rejection.verify_chain(d_tok, p, q, lengths=lengths, generator=generator)
-    return res.tokens, res.num_accepted, out.hidden
+    out = tgt.verify_chain(cache, block, pad_to=k + 1, hidden_layers=hidden_layers)
+    return _Block(d_tok, lengths, lengths, None, out.logits, out.hidden)  # logits (B, K+1, V)
 
 
-def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, proposer, hidden_layers=None):
-    """Score [pending, tree nodes] in one forward (tree attention) and run recursive rejection.
-
-    -> emitted (B, D+1), accepted (B,), path (B, D) node indices, node lengths (B,), depth (B, N),
-    hidden states of the block (B, 1+N(+E), D) or None."""
+def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer) -> _Block:
+    """Score [pending, tree nodes(, aux tokens)] in one forward with tree attention; the aux
+    tokens' logits (lookahead's window) go to proposer.observe()."""
     B, dev = pending.shape[0], pending.device
     lengths = draft.lengths.to(dev) * active  # (B,)
     N = draft.tokens.shape[1] if draft.aux is not None else (int(lengths.max()) if B else 0)
@@ -341,13 +352,67 @@ def _verify_tree(tgt, cache, draft, pending, active, sampling, generator, propos
         if observe is not None:
             observe(logits[:, 1 + N:])
         logits = logits[:, :1 + N]  # (B, 1+N, V)
+    deepest = dep.max(1).values if N else torch.zeros_like(lengths)  # (B,)
+    return _Block(tok, lengths, deepest, par, logits, out.hidden)
+
+
+def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator) -> StepResult:
+    """The rejection step (rejection.py): greedy exact match, or speculative sampling against p."""
+    N = block.tokens.shape[1]
+    if block.parents is None:
+        if sampling.greedy:
+            res = rejection.verify_chain_greedy(block.tokens, block.logits, lengths=block.lengths)
+        else:
+            p = logits_to_probs(block.logits, sampling)  # (B, K+1, V)
+            res = rejection.verify_chain(block.tokens, p, None if q is None else q[:, :N].to(p),
+                                         lengths=block.lengths, generator=generator)
+        return StepResult(res.tokens, res.num_accepted)
     if sampling.greedy:
-        res = rejection.verify_tree_greedy(tok, par, logits, lengths=lengths)
+        res = rejection.verify_tree_greedy(block.tokens, block.parents, block.logits, lengths=block.lengths)
     else:
-        p = logits_to_probs(logits, sampling)  # (B, 1+N, V)
-        q = None if draft.q is None else draft.q[:, :N].to(p)  # (B, N, V)
-        res = rejection.verify_tree(tok, par, p, q, lengths=lengths, generator=generator)
-    return res.tokens, res.num_accepted, res.path, lengths, dep, out.hidden
+        p = logits_to_probs(block.logits, sampling)  # (B, 1+N, V)
+        res = rejection.verify_tree(block.tokens, block.parents, p, None if q is None else q[:, :N].to(p),
+                                    lengths=block.lengths, generator=generator)
+    return StepResult(res.tokens, res.num_accepted, res.path)
+
+
+def _kept(step: StepResult, budget: torch.Tensor, active: torch.Tensor, eos: torch.Tensor):
+    """Tokens each row keeps of the step: accepted + 1, at most budget + 1, up to its first eos.
+    -> (num_emit (B,), hit_eos (B,) bool)."""
+    B, W = step.emitted.shape
+    num_emit = torch.minimum(step.num_accepted + 1, budget + 1) * active  # (B,)
+    if not eos.numel():
+        return num_emit, torch.zeros(B, dtype=torch.bool, device=num_emit.device)
+    is_eos = (step.emitted.unsqueeze(-1) == eos).any(-1)  # (B, W)
+    is_eos &= torch.arange(W, device=num_emit.device).view(1, W) < num_emit.view(B, 1)
+    hit = is_eos.any(1)  # (B,)
+    first = torch.where(hit, is_eos.float().argmax(1) + 1, num_emit)  # (B,)
+    return torch.minimum(num_emit, first), hit
+
+
+def _commit(cache, step: StepResult, num_emit: torch.Tensor, hidden: Optional[torch.Tensor]):
+    """Commit each row's kept slots (a tree path is gathered to contiguous slots first); returns the
+    features of the committed tokens, (B, W, D_h) or None."""
+    if step.path is None:
+        cache.commit(num_emit)
+        return hidden
+    B = num_emit.shape[0]
+    offsets = torch.cat([torch.zeros_like(step.path[:, :1]), step.path + 1], dim=1)  # (B, D+1) block offsets
+    cache.commit_path(offsets, num_emit)
+    if hidden is None:
+        return None
+    idx = offsets.clamp(min=0).unsqueeze(-1).expand(B, offsets.shape[1], hidden.shape[-1])  # (B, D+1, D_h)
+    return hidden.gather(1, idx)  # (B, D+1, D_h) the root and the accepted path
+
+
+def _write(buf: torch.Tensor, start: torch.Tensor, emitted: torch.Tensor, num: torch.Tensor) -> None:
+    """buf[b, start[b] + j] = emitted[b, j] for j < num[b], in place (no host sync: a gather-where-
+    scatter over all W columns, which the buffers' K + 1 columns of slack keep in range)."""
+    B, W = emitted.shape
+    j = torch.arange(W, device=buf.device).view(1, W)  # (1, W)
+    idx = start.view(B, 1) + j  # (B, W)
+    keep = j < num.view(B, 1)  # (B, W)
+    buf.scatter_(1, idx, torch.where(keep, emitted, buf.gather(1, idx)))
 
 
 def autoregressive_generate(
@@ -363,9 +428,10 @@ def autoregressive_generate(
     generator: Generators = None,
     seed: Optional[int] = None,
     max_len: Optional[int] = None,
+    timing: bool = False,
 ) -> GenerationOutput:
     """Plain decoding, one target forward per token, on the same cache and sampling code."""
     return speculative_generate(target, NullProposer(), input_ids, attention_mask,
                                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                 top_p=top_p, eos_token_id=eos_token_id, generator=generator,
-                                seed=seed, max_len=max_len)
+                                seed=seed, max_len=max_len, timing=timing)

@@ -33,7 +33,7 @@ with c = `draft_cost`, the verify cost of one more draft token relative to one t
 c0 = `verify_cost_fixed`, the extra cost of ANY block of two or more tokens over a one-token step
 (on CPUs the kernels of one-row and multi-row matrix products differ: measured here ~0.6 with
 torch's default kernels, 0.0-0.14 with target.py's packed linears; about 0 on GPUs).
-`draft_eval.measure_verify_cost(target, k)` fits both on the machine at hand. A row drafts only
+`costs.measure_verify_cost(target, k)` fits both on the machine at hand. A row drafts only
 where the best expected speed-up is at least 1 + `min_gain`. The
 estimate comes from "shadow" drafts: the full match continuation is compared with the tokens that
 were actually emitted, also where fewer (or no) tokens were drafted; this costs nothing and is an
@@ -56,6 +56,7 @@ import torch
 
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
+from .theory import DecayedAcceptance, best_draft_length, check_costs
 
 ArrayLike = Union[np.ndarray, torch.Tensor, Sequence[int]]
 
@@ -82,14 +83,7 @@ class NgramConfig:
         _check_nk(self.min_n, self.max_n, self.k)
         if self.match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {self.match!r}")
-        for name in ("draft_cost", "verify_cost_fixed", "min_gain"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0.0 <= v < float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if not (isinstance(self.memory, (int, float)) and 0.0 <= self.memory <= 1.0):
-            raise ValueError(f"memory must be in [0, 1], got {self.memory!r}")
-        if not (isinstance(self.prior_accept, (int, float)) and 0.0 < self.prior_accept < 1.0):
-            raise ValueError(f"prior_accept must be in (0, 1), got {self.prior_accept!r}")
+        check_costs(self)
 
 
 def _check_nk(min_n: int, max_n: int, k: int) -> None:
@@ -160,17 +154,6 @@ def propose_ngram(context: ArrayLike, *, min_n: int, max_n: int, k: int,
     return draft[0, : int(n[0])]  # (n,)
 
 
-def best_draft_length(a: np.ndarray, k: int, c: float, c0: float = 0.0, min_gain: float = 0.0) -> np.ndarray:
-    """argmax over k' in 0..k of (1 - a^(k'+1)) / ((1 - a)(1 + c0 [k' > 0] + c k')), per row;
-    ties -> shorter; 0 unless the best expected speed-up is at least 1 + min_gain."""
-    kk = np.arange(k + 1)  # (k+1,)
-    a = np.clip(np.asarray(a, dtype=np.float64), 0.0, 1.0 - 1e-9)[:, None]  # (B, 1)
-    cost = 1.0 + c0 * (kk > 0) + c * kk  # (k+1,) verify cost of a block of k'+1 tokens
-    speedup = (1.0 - a ** (kk + 1)) / ((1.0 - a) * cost)  # (B, k+1)
-    best = speedup.argmax(axis=1).astype(np.int64)  # (B,) first maximum = shortest
-    return np.where(speedup.max(axis=1) >= 1.0 + min_gain, best, 0)  # (B,)
-
-
 class NgramProposer:
     """The Proposer protocol for prompt lookup: chain drafts, q = None."""
 
@@ -179,25 +162,22 @@ class NgramProposer:
             raise ValueError(f"config must be an NgramConfig, got {type(config).__name__}")
         self.config = config
         self.k = config.k
-        self._hits = np.zeros(0)  # (B,) decayed count of accepted shadow-draft tokens
-        self._misses = np.zeros(0)  # (B,) decayed count of rejected shadow-draft tokens
+        self._acc = DecayedAcceptance(0, config.prior_accept, config.memory)  # per-row shadow acceptance
         self._shadow: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
 
     @property
     def acceptance(self) -> np.ndarray:
         """Per-row posterior mean of the per-token acceptance rate a of the n-gram drafts. (B,)"""
-        return self._hits / (self._hits + self._misses)  # (B,)
+        return self._acc.rate  # (B,)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
-        B = ctx.tokens.shape[0]
-        self._hits = np.full(B, 2.0 * self.config.prior_accept)  # (B,) prior pseudo-counts, which
-        self._misses = np.full(B, 2.0 - 2.0 * self.config.prior_accept)  # (B,) decay like the rest
+        self._acc = DecayedAcceptance(ctx.tokens.shape[0], self.config.prior_accept, self.config.memory)
         self._shadow = None
 
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         cfg = self.config
         B = ctx.tokens.shape[0]
-        if self._hits.shape[0] != B:
+        if self._acc.hits.shape[0] != B:
             self.begin(ctx, sampling, generator)
         lens = ctx.lengths.cpu().numpy().astype(np.int64)  # (B,)
         T = int(lens.max()) if B else 0
@@ -241,7 +221,4 @@ class NgramProposer:
         agree = np.cumprod((emitted == shadow[:, :W]) & valid, axis=1)  # (B, W) matching prefix
         hits = agree.sum(axis=1)  # (B,)
         misses = (hits < seen).astype(np.float64)  # (B,) the first disagreement, if any
-        observed = seen > 0  # (B,)
-        decay = np.where(observed, self.config.memory, 1.0)  # (B,)
-        self._hits = self._hits * decay + hits  # (B,)
-        self._misses = self._misses * decay + misses  # (B,)
+        self._acc.observe(hits, misses, seen > 0)

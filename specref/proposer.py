@@ -12,13 +12,11 @@ draft adds `parents`; see tree.py. The verifier (rejection.py) never calls a mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from .sampling import SamplingConfig
-
-Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
+from .sampling import Generators, SamplingConfig
 
 
 @dataclass
@@ -87,9 +85,30 @@ class AuxBlock:
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Implemented by every method (draft_model.py, ngram.py, lookahead.py, heads)."""
+    """Implemented by every method (draft_model.py, ngram.py, lookahead.py, eagle_head.py,
+    hybrid.py). generate.py relies on exactly this, and nothing else:
 
-    k: int  # the most draft tokens (chain) or nodes (tree) per row and step
+    - `k`: the most draft tokens (chain) or nodes (tree) per row and step; a chain's length and a
+      tree's depth never exceed it (generate.py sizes its buffers by it).
+    - The call order: begin() once after the target's prefill, then per step propose() -> one
+      target forward -> [observe()] -> update(). update() follows every verification, whether or not
+      the proposer drafted anything in that step.
+    - Rows outside `ctx.active` (finished rows, or rows a combining proposer such as hybrid.py gives
+      to another source this step) get an empty draft (length 0) and draw no random numbers; the
+      proposer keeps its state for them as it was (update() reports 0 accepted for them) and
+      catches up on the tokens committed in between the next time it drafts them.
+    - q: the distribution each drafted token was actually sampled from, or None for a
+      deterministic draft (q one-hot on the drafted token). One generator per row means row b's
+      draws come from generator b alone (sampling.ragged_uniforms / sample_rows).
+    - Optional `vocab_size` (int): must equal the target's; checked once.
+    - Optional `hidden_layers` (a tuple of layer indices, e.g. (-1,) for the final normed state):
+      generate.py then passes the target's states of those layers of the tokens the last forward
+      committed in ctx.hidden / ctx.hidden_len, to begin() (the prefill's) and to update().
+    - Optional `observe(aux_logits)`: called after the verification forward with the (B, E, V)
+      logits of Draft.aux, before update() (lookahead decoding's Jacobi window).
+    """
+
+    k: int
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         """Called once after the target's prefill (e.g. a draft model prefills its own cache)."""
@@ -97,11 +116,7 @@ class Proposer(Protocol):
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         """Return the draft for the next step. q must be the distribution actually sampled from."""
 
-    # Optional: def observe(self, aux_logits: torch.Tensor) -> None, called after the verification
-    # forward with the (B, E, V) logits of Draft.aux, before update().
-    # Optional: hidden_layers = (-1,) (a tuple of layer indices): generate.py then passes the target's
-    # states of those layers in ctx.hidden / ctx.hidden_len to begin() and update().
-
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         """Told after verification: ctx is the new committed context, num_accepted (B,) how many
-        draft tokens (for a tree: path nodes) each row accepted. Roll back own state here."""
+        draft tokens (for a tree: path nodes) each row accepted and kept (0 for rows it did not
+        draft). Roll back own state here."""

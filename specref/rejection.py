@@ -30,7 +30,7 @@ i, u[b, N_b] for the final token. With one generator per row, a row's draws ther
 on the other rows' draft lengths (batch independence). A chain and the same chain written
 as a tree (parents [-1, 0, 1, ...]) give identical results from identical generators.
 
-Left out: typical acceptance (lossy, Medusa; see medusa_heads.py), SpecTr's optimal-transport
+Left out: typical acceptance (lossy, Medusa's; not in specref yet), SpecTr's optimal-transport
 verification and Sequoia's sampling without replacement.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from .sampling import Generators, greedy_tokens, ragged_uniforms, sample_from_probs
+from .tree import check_parents
 
 PROB_SUM_TOL = 1e-3  # |sum(p) - 1| allowed per distribution (float32 softmax: ~1e-6)
 
@@ -220,18 +221,8 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target: torch.Tensor, *,
 def _tree_structure(parents: torch.Tensor, valid: torch.Tensor):
     """Check parents (B, N) (-1 = child of the root, else an earlier node) and return
     (parents with padding set to -1 (B, N), depth (B, N) with root children at 1, padding 0, D)."""
-    if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != tuple(valid.shape) \
-            or parents.is_floating_point():
-        raise ValueError(f"parents must be an integer tensor of shape {tuple(valid.shape)}, got "
-                         f"{getattr(parents, 'dtype', type(parents))} {tuple(getattr(parents, 'shape', ()))}")
+    par = check_parents(parents, valid)  # (B, N)
     N = valid.shape[1]
-    ar = torch.arange(N, device=valid.device)  # (N,)
-    par = torch.where(valid, parents.long(), -1)  # (B, N)
-    bad = valid & ((par < -1) | (par >= ar[None, :]))  # (B, N)
-    if bool(bad.any()):
-        b, i = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"parents[{b}, {i}] = {int(parents[b, i])}: must be -1 (the root) or an earlier "
-                         f"node in 0..{i - 1} (topological order)")
     depth = valid.long()  # (B, N)
     anc = par  # (B, N) ancestor one more level up, -1 past the root
     for _ in range(N):  # one iteration per depth level

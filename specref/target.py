@@ -11,7 +11,7 @@ over the static cache, so rows of different lengths share one batch without padd
 inside the cache, and stale slots beyond a row's committed length are never read. Eager forwards
 attend only the cache's used prefix (slots up to the highest one any row writes); compiled ones
 the whole cache (static shapes). On CPU, fp32 linears run with weights pre-packed for oneDNN
-(cpu_linear.py), so a block of k+1 tokens costs little more than one token.
+(backends/cpu_linear.py), so a block of k+1 tokens costs little more than one token.
 
 Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
 SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D mask unchanged and
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cpu_linear import PackedLinears, packing_available, tensor_version
+from .backends.cpu_linear import PackedLinears, packing_available, tensor_version
 from .kv_rollback import SpecCache
 
 
@@ -41,7 +41,7 @@ class TargetConfig:
     # step. On CPU the weights are frozen into the graph (inductor freezing): to change them, build
     # a new Target (a changed weight raises ValueError at the next generation)
     pack_linears: Optional[bool] = None  # CPU fp32: run linears with weights pre-packed for oneDNN
-    # (cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
+    # (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
     # it applies (CPU, fp32 linears, no compile); True requires it to apply
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
@@ -93,6 +93,17 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.full((), neg, dtype=dtype, device=allowed.device)).unsqueeze(1)
 
 
+@contextlib.contextmanager
+def attending(cache: SpecCache, S: int):
+    """During one forward, the cache hands the model its first S slots (all of them: None). Every
+    module that runs a forward on a SpecCache (the target, the EAGLE head) enters it."""
+    cache.attend_len = None if S == cache.max_len else S
+    try:
+        yield
+    finally:
+        cache.attend_len = None
+
+
 class Target:
     """A causal LM scored block by block on a SpecCache. One instance can serve many generations."""
 
@@ -107,6 +118,8 @@ class Target:
         self._keep_kw = "logits_to_keep" in params
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        mp = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions: Optional[int] = int(mp) if mp else None  # the model's position window
         self.packed: Optional[PackedLinears] = None
         if config.pack_linears or (config.pack_linears is None and not config.compile
                                    and self.device.type == "cpu" and packing_available()):
@@ -139,15 +152,19 @@ class Target:
         return self.packed.active() if self.packed is not None else contextlib.nullcontext()
 
     def new_cache(self, batch: int, max_len: int) -> SpecCache:
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if max_pos is not None and max_len > max_pos:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings {max_pos}")
+        """A cache of max_len slots per row. Slots are not positions: a cache may hold more slots than
+        the model has positions (a draft's room for rows that catch up later, compile's rounded
+        size); what must fit the window is the positions of committed tokens (generate.py checks)."""
         return SpecCache(self.num_layers, batch, max_len, self.device)
 
     def _eager_forward(self, cache: SpecCache, tokens, positions, mask, keep_logits: bool = True,
                        hidden_layers: Optional[tuple] = None) -> BlockOutput:
         layers = self.config.hidden_layers if hidden_layers is None else hidden_layers
         want_hidden = layers is not None
+        if self.max_positions is not None:
+            # committed tokens fit the window (generate.py checks); only columns that are never
+            # committed (compile's padding, tree nodes past the token budget) can reach its end
+            positions = positions.clamp(max=self.max_positions - 1)
         extra = {} if keep_logits or not self._keep_kw else {"logits_to_keep": 1}  # skip the LM head
         with self._packing():
             out = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
@@ -178,18 +195,8 @@ class Target:
         mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
         if tokens.shape[0] * tokens.shape[1] == 1 and S != cache.max_len and bool(allowed.all()):
             mask = None  # one row, one token seeing every attended slot: the model needs no mask
-        with self._attending(cache, S):
+        with attending(cache, S):
             return self._forward(cache, tokens, positions, mask, True, hidden_layers)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _attending(cache: SpecCache, S: int):
-        """During one forward, the cache hands the model its first S slots (all of them: None)."""
-        cache.attend_len = None if S == cache.max_len else S
-        try:
-            yield
-        finally:
-            cache.attend_len = None
 
     def _span(self, cache: SpecCache, top: int) -> int:
         """Slots a forward attends: all max_len under compile (static shapes), else 0..top-1, the
@@ -216,7 +223,7 @@ class Target:
         ar = torch.arange(S, device=tokens.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, T, S) causal over own row
         cache.set_block_slots(slots)
-        with self._attending(cache, S):
+        with attending(cache, S):
             out = self._eager_forward(cache, tokens.clamp(min=0), slots, additive_mask(allowed, self.dtype),
                                       keep_logits=logits, hidden_layers=hidden_layers)
         cache.commit(lengths)

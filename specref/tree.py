@@ -34,10 +34,29 @@ class Tree(NamedTuple):
     lengths: torch.Tensor  # (B,) long, real nodes per row
 
 
+def check_parents(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """ValueError unless parents (B, N) is an integer tensor whose real nodes (valid (B, N)) each
+    have parent -1 (the root) or an earlier node; returns parents as long with padding set to -1."""
+    if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.is_floating_point():
+        raise ValueError(f"parents must be an integer tensor (B, N), got {getattr(parents, 'dtype', type(parents))} "
+                         f"of shape {tuple(getattr(parents, 'shape', ()))}")
+    if tuple(parents.shape) != tuple(valid.shape):
+        raise ValueError(f"parents must have shape {tuple(valid.shape)} (the draft's), got {tuple(parents.shape)}")
+    ar = torch.arange(parents.shape[1], device=parents.device)  # (N,)
+    par = torch.where(valid, parents.long(), -1)  # (B, N)
+    bad = valid & ((par < -1) | (par >= ar[None, :]))  # (B, N)
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"parents[{b}, {i}] = {int(parents[b, i])}: a node's parent must be -1 (the root) or an "
+            f"earlier node index in 0..{i - 1} (topological order)")
+    return par
+
+
 def _valid(parents: torch.Tensor, lengths: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the tree and return (parents with padding set to -1, valid (B, N) bool)."""
-    if parents.dim() != 2:
-        raise ValueError(f"parents must be (B, N), got shape {tuple(parents.shape)}")
+    if not isinstance(parents, torch.Tensor) or parents.dim() != 2:
+        raise ValueError(f"parents must be (B, N), got shape {tuple(getattr(parents, 'shape', ()))}")
     B, N = parents.shape
     ar = torch.arange(N, device=parents.device)  # (N,)
     if lengths is None:
@@ -47,14 +66,7 @@ def _valid(parents: torch.Tensor, lengths: Optional[torch.Tensor]) -> tuple[torc
         if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > N)).any()):
             raise ValueError(f"lengths must be (B,) = ({B},) with values in 0..{N}, got {lengths.tolist()}")
         valid = ar[None, :] < lengths[:, None]  # (B, N)
-    par = torch.where(valid, parents.long(), -1)  # (B, N)
-    bad = valid & ((par < -1) | (par >= ar[None, :]))  # (B, N)
-    if bool(bad.any()):
-        b, i = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(
-            f"parents[{b}, {i}] = {int(parents[b, i])}: a node's parent must be -1 (the root) or an "
-            f"earlier node index in 0..{i - 1} (topological order)")
-    return par, valid
+    return check_parents(parents.long(), valid), valid  # structure only: any numeric parents
 
 
 def ancestor_mask(parents: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,19 +1,19 @@
-"""Tests of eagle_head.py / eagle_train.py: training, the head's cache dance, greedy parity,
+"""Tests of eagle_head.py / training/eagle.py: training, the head's cache dance, greedy parity,
 losslessness of the whole loop (chi-square against the exact joint), weights round trip, errors."""
 import pytest
 import torch
 
 from _stats import power_sample_size
 from specref import oracle
-from specref.distill_data import Seq, collate, teacher_topk
+from specref.training.data import Seq, collate, teacher_topk
 from specref.eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle, save_eagle
-from specref.eagle_train import EagleTask, EagleTrainConfig, attach_features
-from specref.exact import hf_joint_distribution
+from specref.training.eagle import EagleTask, EagleTrainConfig, attach_features
+from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
 from specref.sampling import SamplingConfig
-from specref.train import TrainConfig, fit, split_heldout
-from specref.trained_draft import build_token_map
+from specref.training.loop import TrainConfig, fit, split_heldout
+from specref.training.draft import build_token_map
 
 V = 16
 

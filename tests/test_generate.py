@@ -6,7 +6,7 @@ import torch
 from _stats import power_sample_size
 from specref import oracle
 from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
-from specref.exact import hf_joint_distribution
+from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import perturbed_copy, tiny_model
 from specref.sampling import SamplingConfig
@@ -83,6 +83,50 @@ def test_batch_independence_and_eos():
         stop = row.index(eos) + 1 if eos in row else len(row)
         assert cut.row(b) == row[:stop]
         assert (cut.tokens[b, stop:] == -1).all()
+
+
+class _Oracle:
+    """Drafts the next k tokens of a known greedy continuation `cont` of the prompt (length P):
+    every draft is accepted. As a chain, or as the same chain written as a tree."""
+
+    def __init__(self, cont, P, k, tree=False):
+        self.cont, self.P, self.k, self.tree = cont, P, k, tree
+
+    def begin(self, ctx, sampling, generator):
+        pass
+
+    def propose(self, ctx, sampling, generator):
+        from specref.proposer import Draft
+
+        i = int(ctx.lengths[0]) - self.P  # tokens emitted so far
+        toks = torch.tensor([self.cont[i:i + self.k]])  # (1, k)
+        n = torch.tensor([toks.shape[1]])  # (1,)
+        if not self.tree:
+            return Draft(tokens=toks, lengths=n)
+        return Draft(tokens=toks, lengths=n, parents=torch.arange(toks.shape[1]).view(1, -1) - 1)
+
+    def update(self, ctx, num_accepted):
+        pass
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_accepted_counts_stop_at_eos_and_the_token_budget(tree):
+    # every draft is right, so a step accepts all k; but tokens past an eos or the budget are not
+    # emitted, and neither are they counted as accepted (num_accepted_tokens <= emitted tokens)
+    target = tiny_model("llama", vocab_size=64, seed=5)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))  # (1, 6)
+    cont = autoregressive_generate(target, ids, max_new_tokens=12, temperature=0).row(0)
+    eos = next(t for i, t in enumerate(cont) if i >= 1 and t not in cont[:i])  # first new token at >= 1
+    stop = cont.index(eos) + 1
+    cut = speculative_generate(target, _Oracle(cont, 6, 4, tree), ids, max_new_tokens=12, temperature=0,
+                               eos_token_id=eos)
+    assert cut.row(0) == cont[:stop]
+    s = cut.stats
+    assert s.num_accepted_tokens == s.num_emitted_tokens == stop  # every emitted token was a draft
+    assert s.num_accepted_tokens == sum(s.accepted_per_position)
+    short = speculative_generate(target, _Oracle(cont, 6, 4, tree), ids, max_new_tokens=3, temperature=0)
+    assert short.row(0) == cont[:3]
+    assert short.stats.num_accepted_tokens <= 3 and sum(short.stats.accepted_per_position) <= 3
 
 
 def _joint_counts(out, V, L):

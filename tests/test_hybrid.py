@@ -8,7 +8,7 @@ from _stats import power_sample_size
 from specref import oracle
 from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
 from specref.eagle_head import EagleConfig, EagleHead, EagleProposer
-from specref.exact import hf_joint_distribution
+from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.hybrid import HybridConfig, HybridProposer
 from specref.lookahead import LookaheadProposer

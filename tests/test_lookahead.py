@@ -4,7 +4,7 @@ import torch
 
 from _stats import power_sample_size
 from specref import oracle
-from specref.exact import hf_joint_distribution
+from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.lookahead import LookaheadConfig, LookaheadProposer, NgramPool, merge_candidates, window_pattern
 from specref.models import tiny_model

@@ -1,7 +1,7 @@
 """Tests of the chain rejection step (specref/rejection.py: verify_chain, verify_chain_greedy).
 
 Statistical tests run ONE batched call of B = 200,000 independent copies of a step, with fixed
-seeds, and test at significance 1e-3 with Pearson chi-square (specref/oracle.py). Each states its
+seeds, and test at significance 1e-3 with Pearson chi-square (specref/oracle/stats.py). Each states its
 power against a total-variation deviation of 0.02 via oracle.samples_for_tv (power 0.99).
 
 The step under test, for each copy: drafts x_1..x_K are drawn from a draft whose distribution at

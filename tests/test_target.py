@@ -54,6 +54,10 @@ def test_unsupported_models_raise():
         Target(tiny_model("gemma3_text", vocab_size=64))
     with pytest.raises(ValueError, match="causal"):
         Target(torch.nn.Linear(2, 2))
+    # the window bounds positions, not slots: a cache may be longer (a draft's catch-up room), a
+    # generation whose tokens would pass the model's 512 positions may not
     m = tiny_model("llama", vocab_size=64)
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        Target(m).new_cache(1, 10_000)
+    assert Target(m).new_cache(1, 10_000).max_len == 10_000
+    with pytest.raises(ValueError, match="512 positions"):
+        autoregressive_generate(m, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=13, temperature=0)
+    autoregressive_generate(m, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=12, temperature=0)

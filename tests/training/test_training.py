@@ -1,13 +1,14 @@
-"""Tests of train.py, distill_data.py and trained_draft.py: shards, the loop, resumption, parity."""
+"""Tests of training/loop.py, data.py and draft.py (and draft_model.load_trained_draft): shards, the loop, resumption, parity."""
 import math
 
 import pytest
 import torch
 
-from specref.distill_data import Seq, collate, read_shard, teacher_topk, write_shard
+from specref.training.data import Seq, collate, read_shard, teacher_topk, write_shard
 from specref.models import tiny_model
-from specref.train import TrainConfig, batch_indices, fit, load_checkpoint, lr_at, split_heldout
-from specref.trained_draft import DraftDistillTask, build_draft, build_token_map
+from specref.training.loop import TrainConfig, batch_indices, fit, load_checkpoint, lr_at, split_heldout
+from specref.draft_model import build_draft
+from specref.training.draft import DraftDistillTask, build_token_map
 
 V = 64
 
@@ -140,11 +141,11 @@ def test_draft_shares_frozen_embedding_and_maps_vocab():
 
 
 def test_greedy_parity_with_trained_draft():
-    from specref.distill_data import chat_prompt_ids
+    from specref.training.data import chat_prompt_ids
     from specref.draft_model import DraftModelConfig, DraftModelProposer
     from specref.generate import autoregressive_generate, speculative_generate
     from specref.models import load_default
-    from specref.trained_draft import WEIGHTS, load_trained_draft
+    from specref.draft_model import WEIGHTS, load_trained_draft
 
     if not WEIGHTS.is_file():
         pytest.fail(f"the committed trained draft {WEIGHTS} is missing")
@@ -175,7 +176,7 @@ class _ByteTokenizer:
 def test_distill_two_stages_and_resume(tmp_path):
     import json
 
-    from specref.distill_data import (DistillConfig, distill, iter_sequences, passage_instructions,
+    from specref.training.data import (DistillConfig, distill, iter_sequences, passage_instructions,
                                       shard_paths)
 
     model = tiny_model("llama", vocab_size=96, num_layers=1, seed=0, init_std=0.2, logit_scale=2.0)

@@ -1,4 +1,4 @@
-"""The toy Markov LM (specref/toy.py) and the issue's seed exercise: the speculative loop on a toy
+"""The toy Markov LM (specref/oracle/toy.py) and the issue's seed exercise: the speculative loop on a toy
 target and a perturbed toy draft generates 50,000 tokens distributed as direct target sampling.
 
 Chi-square tests at significance 1e-3 (the seed exercise additionally p > 0.05 as the issue asks),
@@ -13,7 +13,7 @@ from specref.oracle import chi_square_gof, chi_square_two_sample, counts, detect
 from specref.rejection import ChainResult, verify_chain
 from specref.sampling import SamplingConfig, sample
 from specref.theory import acceptance_rate
-from specref.toy import MarkovLM, ToyConfig, sample_direct, speculative_sample
+from specref.oracle.toy import MarkovLM, ToyConfig, sample_direct, speculative_sample
 
 ALPHA = 1e-3
 TARGET = MarkovLM.from_config(ToyConfig(vocab=4, order=2, sharpness=1.5, seed=0))

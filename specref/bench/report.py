@@ -1,6 +1,6 @@
-"""Numbers, tables and plot of the benchmark (bench.py): per method, per category and overall.
+"""Numbers, tables and plot of the benchmark (runner.py): per method, per category and overall.
 
-Definitions (Leviathan et al. 2023 symbols; bench.py's docstring says how each is measured):
+Definitions (Leviathan et al. 2023 symbols; runner.py's docstring says how each is measured):
   speed-up   geometric mean over questions of tok/s(method) / tok/s(ar), the same question;
   tau        tokens emitted / target forwards (the prefill of our methods emits nothing and is not
              counted; transformers' first forward is its prefill and emits the first token);
@@ -140,7 +140,7 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
                      f"(dynamic cache): **{1 / hf['speedup']:.2f}x** (geometric mean of per-question ratios).")
     parts += ["", "### Overall", "", overall_table(result), "",
               "speed-up: geometric mean over questions of tok/s ratios to `ar` in the same run; tau: tokens per "
-              "target forward; alpha, k, c, v, predicted: see `specref/bench_report.py` (c = draft cost per "
+              "target forward; alpha, k, c, v, predicted: see `specref/bench/report.py` (c = draft cost per "
               "drafted position / one target forward; v = verify forward / one target forward, which the "
               "closed form leaves out); `-`: not measurable for that method.", "",
               "### Speed-up over `ar` per category", "", _category_table(result, "speedup", "{:.2f}x"), "",

@@ -1,4 +1,4 @@
-"""Tests of the oracle for other implementations (specref/oracle_check.py, oracle_selftest.py).
+"""Tests of the oracle for other implementations (specref/oracle/check.py, selftest.py).
 
 Power (per-test significance alpha / (2 looks * 124 tests) = 3.9e-6 at alpha 1e-3; noncentral
 chi-square, oracle.detectable_tv): with 32,000 rows per variant (test_reference_samplers_pass) the
@@ -13,15 +13,16 @@ import pytest
 import torch
 from scipy import stats
 
-from specref.oracle_check import Variant, _exact, adapt, check_rejection_sampler, oracle_main
-from specref.oracle_selftest import (
+from specref.oracle.cases import Variant, standard_cases
+from specref.oracle.check import _exact, adapt, check_rejection_sampler
+from specref.oracle.cli import oracle_main
+from specref.oracle.selftest import (
     MUTANTS,
     false_alarms,
     hf_speculative_sampling,
     reference_chain,
     reference_plain,
     reference_vllm,
-    standard_cases,
 )
 
 SMALL = standard_cases()[:2]  # the 6-token cases (q given; q None): joint tests over every cell
@@ -125,9 +126,9 @@ def test_exact_distribution_by_hand():
 
 
 def test_cli(capsys):
-    assert oracle_main(["--sampler", "specref.oracle_selftest:reference_chain", "--samples", "1000"]) == 0
+    assert oracle_main(["--sampler", "specref.oracle.selftest:reference_chain", "--samples", "1000"]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
-    assert oracle_main(["--sampler", "specref.oracle_selftest:mutant_inverted_ratio", "--samples", "1000"]) == 1
+    assert oracle_main(["--sampler", "specref.oracle.selftest:mutant_inverted_ratio", "--samples", "1000"]) == 1
     assert "verdict: FAIL" in capsys.readouterr().out
     with pytest.raises(ValueError, match="module:function"):
         oracle_main(["--sampler", "reference_chain"])

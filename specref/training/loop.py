@@ -10,8 +10,8 @@ Definition 3.1, averaged over positions), checkpoints as safetensors (weights, A
 step, history; never pickle) written atomically, and exact resumption: the data order (length-bucketed
 batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
 
-`python -m specref train` (train_cli.py): self-distilled data (distill_data.py), then the
-reduced-vocabulary draft (trained_draft.py) or the EAGLE head (eagle_train.py) for the default model. Left out: mixed precision,
+`python -m specref train` (training/cli.py): self-distilled data (training/data.py), then the
+reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default model. Left out: mixed precision,
 gradient accumulation, multi-device training.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .distill_data import Batch, Seq, collate
+from .data import Batch, Seq, collate
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -160,32 +160,6 @@ def load_checkpoint(path, task: TrainTask, opt: torch.optim.Optimizer) -> Tuple[
     return int(meta["step"]), json.loads(meta["history"])
 
 
-def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> None:
-    """A trained proposer's tensors + string metadata as one safetensors file (atomic, mode 644)."""
-    from safetensors.torch import save_file
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path) + ".tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
-    Path(tmp).chmod(0o644)
-    Path(tmp).replace(path)
-
-
-def weights_info(path, fmt: str, what: str, how: str) -> dict:
-    """The metadata of a file from save_weights, its "record" parsed; ValueError if the file is
-    missing ("no {what} at ...; {how}") or of another format than `fmt`."""
-    from safetensors import safe_open
-
-    if not Path(path).is_file():
-        raise ValueError(f"no {what} at {path}; {how}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
-    if meta.get("format") != fmt:
-        raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
-    meta["record"] = json.loads(meta.get("record", "{}"))
-    return meta
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -272,8 +246,8 @@ def distilled_run(data_cfg, out, data, device, default_name: str):
     """The first steps of every training command: the run folder (default: <specref cache>/train/
     <default_name>), the default target frozen, its self-distilled data (made or resumed in `data`,
     default <out>/data). -> (out, target, tokenizer, manifest, sequences, seconds spent on data)."""
-    from .distill_data import distill, iter_sequences
-    from .models import cache_root, load_default
+    from ..models import cache_root, load_default
+    from .data import distill, iter_sequences
 
     out = Path(out) if out else cache_root() / "train" / default_name
     data = Path(data) if data else out / "data"
@@ -285,10 +259,3 @@ def distilled_run(data_cfg, out, data, device, default_name: str):
     manifest = distill(target, tok, data, data_cfg)
     return out, target, tok, manifest, list(iter_sequences(data)), time.perf_counter() - t0
 
-
-if __name__ == "__main__":  # `python -m specref.train ...` = `python -m specref train ...`
-    import sys
-
-    from .train_cli import train_main
-
-    sys.exit(train_main())

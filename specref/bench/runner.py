@@ -9,8 +9,12 @@ after one untimed warm-up call of each method (32 tokens). Methods:
   ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
   hf         transformers `model.generate`, greedy/sampled, dynamic cache
   ngram      specref prompt lookup (NgramConfig(adaptive=True))
-  lookahead  specref lookahead decoding, when specref/lookahead.py exists
+  lookahead  specref lookahead decoding (W, N, G = --lookahead)
   draft      specref draft model with the trained reduced-vocabulary draft, when its weights exist
+  eagle      specref EAGLE-1 chain with the committed head (adaptive k per row)
+  hybrid     prompt lookup where it matches, else the EAGLE head (HybridProposer, mode "select")
+  hybrid_tree  both of them every step, as two branches of one token tree (mode "tree")
+  hybrid_draft prompt lookup, else the trained draft
   hf_pld     transformers prompt lookup (`prompt_lookup_num_tokens=10`)
   hf_assist  transformers assisted generation with the same trained draft as `assistant_model`;
              its Vd-row LM head is wrapped to scatter into the full V (-inf outside the map)
@@ -22,8 +26,8 @@ drafted position / one `ar` target forward; the closed form (1 - a^(k+1)) / ((1 
 mixed with the fraction f of steps that drafted at all: ((1-f) + f E) / ((1-f) + f (1 + c k));
 v = the method's verify forward / one `ar` forward (what the closed form leaves out); peak memory
 (RSS high-water mark per call on CPU, torch.cuda.max_memory_allocated on CUDA); and whether the
-greedy output equals `ar` token for token. Reporting lives in bench_report.py.
-Left out: batch > 1, second turns, methods not yet in specref (Medusa, EAGLE, MTP join when they land).
+greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
+Left out: batch > 1, second turns, methods not yet in specref (Medusa, EAGLE-2/3, MTP).
 """
 from __future__ import annotations
 
@@ -40,11 +44,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .bench_methods import ALL_METHODS, build_methods, load_model
-from .target import Target, TargetConfig
+from ..target import Target, TargetConfig
+from .methods import ALL_METHODS, build_methods, load_model
 
 QUESTION_REL = Path("shared") / "data" / "spec_bench" / "question.jsonl"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -154,10 +158,10 @@ def _machine(dev: torch.device) -> dict:
 
 
 def run_bench(cfg: BenchConfig, command: str = "") -> dict:
-    """Run every method on every chosen question; returns the JSON-able result (see bench_report)."""
+    """Run every method on every chosen question; returns the JSON-able result (see report.py)."""
     from tqdm.auto import tqdm
 
-    from .bench_report import summarize
+    from .report import summarize
 
     t_start = time.perf_counter()
     machine, date = _machine(torch.device(cfg.device)), time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -232,7 +236,7 @@ def _split(values: Optional[List[str]]) -> Optional[tuple]:
 def bench_main(argv=None) -> int:
     """Entry point of `python -m specref bench`. Returns 0, or 1 when a specref method's greedy
     output differed from the baseline (a bug)."""
-    from .bench_report import write_outputs
+    from .report import write_outputs
 
     ap = argparse.ArgumentParser(prog="python -m specref bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

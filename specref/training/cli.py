@@ -1,7 +1,8 @@
 """`python -m specref train`: self-distilled data, then the default model's trained draft or EAGLE head.
 
-The command line over distill_data.py (the data), train.py (the shared loop), trained_draft.py and
-eagle_train.py (the two trained proposers) and draft_eval.py (`--measure-only`, `--eval`).
+The command line over training/data.py (the data), training/loop.py (the shared loop),
+training/draft.py and training/eagle.py (the two trained proposers) and training/evaluate.py
+(`--measure-only`, `--eval`).
 """
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import argparse
 
 import torch
 
-from .train import TrainConfig
+from .data import DistillConfig
+from .draft import DraftTrainConfig, run_training
+from .eagle import EagleTrainConfig, run_eagle_training
+from .loop import TrainConfig
 
 
 def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
-    from .distill_data import DistillConfig
-    from .eagle_train import EagleTrainConfig
-    from .trained_draft import DraftTrainConfig, run_training
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
     ap.add_argument("--method", choices=("draft", "eagle"), default="draft",
@@ -55,9 +56,9 @@ def train_main(argv=None) -> int:
         raise ValueError("--measure-only/--eval measure the draft model; measure the EAGLE head with "
                          "`python -m specref bench --methods ar eagle`")
     if a.measure_only is not None:
-        from .draft_eval import measure_draft, to_markdown
-        from .models import load_default
-        from .trained_draft import load_trained_draft, trained_draft_info, WEIGHTS
+        from ..draft_model import WEIGHTS, load_trained_draft, trained_draft_info
+        from ..models import load_default
+        from .evaluate import measure_draft, to_markdown
 
         path = a.measure_only or WEIGHTS
         target, tok = load_default(device=a.device)
@@ -73,8 +74,6 @@ def train_main(argv=None) -> int:
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
                             warmup_steps=a.warmup_steps)
     if a.method == "eagle":
-        from .eagle_train import EagleTrainConfig, run_eagle_training
-
         return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
                                                                         w_reg=a.w_reg),
                                   out=a.out, data=a.data, device=a.device, export=a.export)
@@ -82,10 +81,3 @@ def train_main(argv=None) -> int:
     return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
                         export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
                         eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
-
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(train_main())

@@ -1,4 +1,4 @@
-"""A trained draft for the default model: few target layers, a reduced vocabulary, distilled on p.
+"""Training the draft for the default model: few target layers, a reduced vocabulary, distilled on p.
 
 Vanilla speculative decoding (Leviathan et al. 2023) gains only if the draft is both cheap (c, the
 cost of a draft step over a target step) and close to the target (alpha). On 2 CPU cores the
@@ -7,8 +7,10 @@ here is: the target's input embedding (frozen, shared storage), its first L deco
 final norm (copied, trained), and an LM head over only the Vd most frequent tokens of the
 distilled responses (EAGLE-3's reduced draft vocabulary, Li et al. 2025), mapped back to target
 ids by `token_map` (Vd,). q is 0 outside the map, which keeps speculative sampling lossless.
+The architecture and its weight files live with the method (draft_model.build_draft,
+save_draft, load_trained_draft); this file holds its data statistics, loss and training command.
 
-Training (train.py's loop) minimises KL(p || q) on the self-distilled responses: the soft cross-
+Training (training/loop.py) minimises KL(p || q) on the self-distilled responses: the soft cross-
 entropy -sum_x p(x) log q(x) over the target's stored top-k tokens that are in the draft
 vocabulary (H(p) is a constant), or, with loss="ce", the cross-entropy on the target's argmax.
 Held-out metrics: top-1 agreement (the greedy acceptance rate given the target's context),
@@ -20,19 +22,15 @@ embeddings, plain LM head) are supported.
 """
 from __future__ import annotations
 
-import copy
 import json
-import warnings
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .distill_data import Batch, Seq, fingerprint, teacher_topk
-
-WEIGHTS = Path(__file__).with_name("weights") / "smollm2_135m_draft.safetensors"
-FORMAT = "specref-draft-1"
+from ..draft_model import build_draft, save_draft
+from .data import Batch, Seq, teacher_topk
+from .loop import distilled_run, fit, split_heldout
 
 
 @dataclass(frozen=True)
@@ -72,41 +70,10 @@ def build_token_map(seqs: Sequence[Seq], vocab_size: int, draft_vocab: int) -> t
     return order[:draft_vocab].clone()  # (Vd,)
 
 
-def build_draft(target: torch.nn.Module, num_layers: int, token_map: torch.Tensor) -> torch.nn.Module:
-    """An HF causal LM: the target's frozen input embedding (storage shared), copies of its first
-    num_layers layers and final norm, and an LM head (Vd, D) = the target's output rows token_map."""
-    from transformers import AutoModelForCausalLM
-
-    inner = getattr(target, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(target).__name__} keeps no `model.layers`; cannot build a draft from it")
-    if not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
-        raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers!r}")
-    token_map = torch.as_tensor(token_map, dtype=torch.long)
-    cfg = copy.deepcopy(target.config)
-    cfg.num_hidden_layers = num_layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = list(cfg.layer_types)[:num_layers]
-    cfg.vocab_size = int(token_map.numel())  # the LM head's size; inputs are still target ids
-    cfg.tie_word_embeddings = False
-    p = next(target.parameters())
-    draft = AutoModelForCausalLM.from_config(cfg).to(device=p.device, dtype=p.dtype)
-    for i in range(num_layers):
-        draft.model.layers[i].load_state_dict(layers[i].state_dict())
-    draft.model.norm.load_state_dict(inner.norm.state_dict())
-    emb = inner.embed_tokens.weight.detach()  # (V, D), shared storage, never trained
-    draft.model.embed_tokens = torch.nn.Embedding(emb.shape[0], emb.shape[1], _weight=emb, _freeze=True)
-    with torch.no_grad():
-        head = target.get_output_embeddings().weight  # (V, D)
-        draft.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
-    return draft.eval()
-
-
 class DraftDistillTask:
     """TrainTask: distil a reduced-vocabulary draft against the target's top-k distributions.
 
-    Batches carry the stored top-k (distill_data); without it, the frozen `target` computes it."""
+    Batches carry the stored top-k (data.py); without it, the frozen `target` computes it."""
 
     def __init__(self, draft: torch.nn.Module, token_map: torch.Tensor, vocab_size: int, loss: str = "kl",
                  target: Optional[torch.nn.Module] = None, topk: int = 32):
@@ -157,60 +124,6 @@ class DraftDistillTask:
                 "coverage": float(valid[:, 0].sum())}
 
 
-# ----------------------------------------------------------------------------- weights
-
-
-def save_draft(path, draft: torch.nn.Module, token_map: torch.Tensor, target_fingerprint: str,
-               record: dict, dtype: torch.dtype = torch.float16) -> None:
-    """The trained tensors (not the shared embedding) + token_map + a training record, safetensors."""
-    from .train import save_weights
-
-    tensors = {n: p.detach().to(dtype).cpu() for n, p in draft.named_parameters() if p.requires_grad}
-    tensors["token_map"] = token_map.to(torch.int32).cpu()
-    save_weights(path, tensors, {"format": FORMAT, "num_layers": str(draft.config.num_hidden_layers),
-                                 "draft_vocab": str(token_map.numel()), "target_fingerprint": target_fingerprint,
-                                 "record": json.dumps(record)})
-
-
-def trained_draft_info(path=WEIGHTS) -> dict:
-    """The metadata of a trained-draft file: num_layers, draft_vocab, fingerprint, record (dict)."""
-    from .train import weights_info
-
-    return weights_info(path, FORMAT, "trained draft", "make one with `python -m specref train`")
-
-
-def load_trained_draft(target: Optional[torch.nn.Module] = None, path=None
-                       ) -> Tuple[torch.nn.Module, torch.Tensor]:
-    """(draft model, token_map (Vd,)) for DraftModelProposer(draft, cfg, token_map, vocab_size=V).
-
-    target: the model the draft was trained for (default: models.load_default()); its embedding is
-    shared. path: a file from `python -m specref train` (default: the committed weights)."""
-    from safetensors.torch import load_file
-
-    path = WEIGHTS if path is None else Path(path)
-    info = trained_draft_info(path)
-    if target is None:
-        from .models import load_default
-
-        target, _ = load_default()
-    if info["target_fingerprint"] != fingerprint(target):
-        warnings.warn(f"{path} was trained for a target with fingerprint {info['target_fingerprint']}, "
-                      "not this one: it stays lossless but may be accepted rarely")
-    tensors = load_file(str(path))
-    token_map = tensors.pop("token_map").long()  # (Vd,)
-    draft = build_draft(target, int(info["num_layers"]), token_map)
-    p = next(target.parameters())
-    params = dict(draft.named_parameters())
-    missing = {n for n, q in params.items() if q.requires_grad} - set(tensors)
-    if missing or set(tensors) - set(params):
-        raise ValueError(f"{path} does not match the draft's parameters (missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(set(tensors) - set(params))[:3]})")
-    with torch.no_grad():
-        for n, t in tensors.items():
-            params[n].copy_(t.to(device=p.device, dtype=p.dtype))
-    return draft.eval(), token_map.to(p.device)
-
-
 # ----------------------------------------------------------------------------- one command
 
 
@@ -218,8 +131,6 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
                  device="cpu", export=None, evaluate_after=False, eval_per_category=2,
                  eval_max_new_tokens=128, k=None) -> int:
     """Self-distil data with the default model, train the reduced-vocabulary draft, save it."""
-    from .train import distilled_run, fit, split_heldout
-
     out, target, tok, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device, f"seed{train_cfg.seed}")
     train, held = split_heldout(seqs, draft_cfg.heldout_fraction, train_cfg.seed)
     V = target.get_output_embeddings().weight.shape[0]
@@ -241,7 +152,7 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
         save_draft(export, draft, token_map, manifest["model_fingerprint"], record)
         print(f"exported {export}")
     if evaluate_after:
-        from .draft_eval import measure_draft, to_markdown
+        from .evaluate import measure_draft, to_markdown
 
         res = measure_draft(target, tok, draft, token_map, per_category=eval_per_category,
                             max_new_tokens=eval_max_new_tokens, k=k,

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .rejection import ChainResult, verify_chain
-from .sampling import Generators, SamplingConfig, logits_to_probs, sample
+from ..rejection import ChainResult, verify_chain
+from ..sampling import Generators, SamplingConfig, logits_to_probs, sample
 
 DEFAULT_SAMPLING = SamplingConfig()  # temperature 1, no top-k / top-p: p is the table itself
 

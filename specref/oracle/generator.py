@@ -18,9 +18,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from . import oracle
-from .oracle_check import Report, TestResult
-from .sampling import SamplingConfig
+from ..sampling import SamplingConfig
+from . import stats
+from .check import Report, TestResult
 
 
 def exact_joint(model, prompt: torch.Tensor, L: int, sampling: SamplingConfig) -> np.ndarray:
@@ -34,14 +34,14 @@ def exact_joint(model, prompt: torch.Tensor, L: int, sampling: SamplingConfig) -
 
 def _test(name: str, kind: str, counts: np.ndarray, probs: np.ndarray, threshold: float,
           labels: Callable[[int], str]) -> TestResult:
-    gof = oracle.chi_square_gof(counts, probs)
+    gof = stats.chi_square_gof(counts, probs)
     n = int(counts.sum())
     keep = probs * n >= 5  # the partition the test uses after pooling
     pooled = np.append(probs[keep], probs[~keep].sum())
-    det = oracle.detectable_tv(n, len(pooled), alpha=threshold, power=0.95, probs=pooled)
+    det = stats.detectable_tv(n, len(pooled), alpha=threshold, power=0.95, probs=pooled)
     worst = tuple((labels(c.index), c.expected, c.observed) for c in gof.worst_cells)
     return TestResult(name=name, kind=kind, p_value=gof.p_value, statistic=gof.statistic, dof=gof.dof,
-                      n=n, tv=oracle.tv_distance(counts, probs), detectable_tv=det, worst=worst)
+                      n=n, tv=stats.tv_distance(counts, probs), detectable_tv=det, worst=worst)
 
 
 def check_generator(fn: Callable, model, prompt, *, length: int = 3, samples: int = 50_000,
@@ -79,7 +79,7 @@ def check_generator(fn: Callable, model, prompt, *, length: int = 3, samples: in
         errors.append(f"{int(bad.any(1).sum())} rows hold tokens outside [0, {V}) in the first {length}")
         toks = np.clip(toks, 0, V - 1)
     threshold = alpha / (length + 1)
-    joint_counts = oracle.counts(oracle.joint_index(toks, V), V ** length)
+    joint_counts = stats.counts(stats.joint_index(toks, V), V ** length)
     tests = [_test(f"joint of the first {length} tokens", "joint", joint_counts, exact, threshold,
                    lambda i: str(tuple(int(x) for x in np.unravel_index(i, (V,) * length))))]
     marg = exact.reshape((V,) * length)

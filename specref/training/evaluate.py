@@ -10,107 +10,25 @@ every pair is checked token for token (greedy parity). Left out: batch > 1, samp
 """
 from __future__ import annotations
 
-import json
-import statistics
-import time
-from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+from ..bench.runner import find_question_file, load_questions
+from ..costs import measure_cost
+from ..draft_model import DraftModelConfig, DraftModelProposer
+from ..generate import autoregressive_generate, speculative_generate
+from ..target import Target
+from ..theory import optimal_k, speedup
+from .data import chat_prompt_ids
 
 
-def spec_bench_questions(path=SPEC_BENCH, per_category: Optional[int] = 2) -> List[dict]:
-    """The first `per_category` questions of every category, in file order (None: all)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Spec-Bench questions not found at {path}")
-    rows, seen = [], {}
-    for line in open(path, encoding="utf-8"):
-        r = json.loads(line)
-        n = seen.get(r["category"], 0)
-        if per_category is None or n < per_category:
-            rows.append(r)
-            seen[r["category"]] = n + 1
-    return rows
-
-
-@torch.no_grad()
-def _median_block_times(t, widths: List[int], cache_len: int, reps: int, warmup: int) -> Dict[int, float]:
-    """Median seconds of a verify forward of a random block of each width (1 row), on a cache
-    holding `cache_len` tokens; widths interleaved within each round, `warmup` rounds untimed."""
-    cache = t.new_cache(1, cache_len + max(widths) + 2)
-    g = torch.Generator().manual_seed(0)
-    hi = min(1000, t.vocab_size)
-    t.prefill(cache, torch.randint(0, hi, (1, cache_len), generator=g).to(t.device),
-              torch.tensor([cache_len], device=t.device), logits=False)
-    times: Dict[int, List[float]] = {w: [] for w in widths}
-    for i in range(warmup + reps):
-        for w in widths:
-            blk = torch.randint(0, hi, (1, w), generator=g).to(t.device)  # (1, w)
-            a = time.perf_counter()
-            t.verify_chain(cache, blk)
-            if i >= warmup:
-                times[w].append(time.perf_counter() - a)
-            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
-    return {w: statistics.median(ts) for w, ts in times.items()}
-
-
-def measure_cost(target, draft, cache_len: int = 200, reps: int = 15) -> Dict[str, float]:
-    """Median seconds of one 1-token forward of the target and of the draft; c = their ratio."""
-    from .target import Target
-
-    times = {}
-    for name, m in (("target", target), ("draft", draft)):
-        t = m if isinstance(m, Target) else Target(m, name=name)
-        times[name] = _median_block_times(t, [1], cache_len, reps, warmup=2)[1]
-    return {"t_target": times["target"], "t_draft": times["draft"], "c": times["draft"] / times["target"]}
-
-
-def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> Dict[str, float]:
-    """Fit the verify-cost model cost(W) = 1 + c0 [W > 1] + c (W - 1) of a block of W tokens,
-    relative to a 1-token forward, from median timings of W = 1..k+1 on a `cache_len` cache
-    (widths interleaved within each repetition, so drifting machine load hits them alike).
-    Returns {"c": c, "c0": c0, "t1": seconds of a 1-token forward, "ratios": [cost(W) for W]}.
-    The adaptive n-gram proposer takes c as draft_cost and c0 as verify_cost_fixed.
-    Under compile (TargetConfig.compile) generate.py pads every drafted block to k+1 tokens, so a
-    block costs the same whatever its length: only W = 1 and k+1 are timed (two graphs, not k+1),
-    c = 0 and c0 = cost(k+1) - 1."""
-    from .target import Target
-
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    t = target if isinstance(target, Target) else Target(target)
-    if t.config.compile:
-        med = _median_block_times(t, [1, k + 1], cache_len, reps, warmup=1)
-        r = med[k + 1] / med[1]
-        return {"c": 0.0, "c0": max(r - 1.0, 0.0), "t1": med[1], "ratios": [1.0] + [r] * k}
-    widths = list(range(1, k + 2))
-    med = _median_block_times(t, widths, cache_len, reps, warmup=1)
-    t1 = med[1]
-    ratios = [med[w] / t1 for w in widths]
-    if k == 1:
-        return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "t1": t1, "ratios": ratios}
-    x = torch.tensor([w - 1.0 for w in widths[1:]], dtype=torch.float64)  # extra tokens, W >= 2
-    y = torch.tensor(ratios[1:], dtype=torch.float64) - 1.0
-    c = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-    c = max(c, 0.0)
-    c0 = max(float((y - c * x).mean()), 0.0)
-    return {"c": c, "c0": c0, "t1": t1, "ratios": ratios}
-
-
-def measure_draft(target, tokenizer, draft, token_map, *, questions=SPEC_BENCH, per_category: int = 2,
+def measure_draft(target, tokenizer, draft, token_map, *, questions=None, per_category: int = 2,
                   max_new_tokens: int = 128, k: Optional[int] = None, alpha: Optional[float] = None,
                   progress: bool = True) -> dict:
-    """Side-by-side greedy runs; returns per-category and overall tau, speed-up and parity."""
+    """Side-by-side greedy runs; returns per-category and overall tau, speed-up and parity.
+    questions: a Spec-Bench-format JSONL (default: found as the bench finds it)."""
     from tqdm.auto import tqdm
-
-    from .distill_data import chat_prompt_ids
-    from .draft_model import DraftModelConfig, DraftModelProposer
-    from .generate import autoregressive_generate, speculative_generate
-    from .target import Target
-    from .theory import optimal_k, speedup
 
     tgt = target if isinstance(target, Target) else Target(target)
     cost = measure_cost(tgt, draft)
@@ -120,7 +38,7 @@ def measure_draft(target, tokenizer, draft, token_map, *, questions=SPEC_BENCH, 
         k = optimal_k(float(alpha), cost["c"])
     eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     V = tgt.vocab_size
-    rows = spec_bench_questions(questions, per_category)
+    rows = load_questions(find_question_file(questions), None, per_category)
 
     def run(which, ids):
         if which == "ar":

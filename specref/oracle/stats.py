@@ -2,7 +2,7 @@
 
 Every sampling path in specref is checked against the distribution it must reproduce (Leviathan
 et al. 2023, Theorem 3.5: speculative sampling emits tokens distributed exactly as p). This module
-holds the statistics only; `oracle_check.py` drives samplers through them.
+holds the statistics only; check.py and generator.py drive samplers through them.
 
 - `chi_square_gof`: Pearson's chi-square goodness of fit of counts against exact probabilities,
   X^2 = sum_i (o_i - n p_i)^2 / (n p_i), with dof = cells - 1 (Pearson 1900). Cells whose expected

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 
-from .sampling import SamplingConfig, logits_to_probs
+from ..sampling import SamplingConfig, logits_to_probs
 
 
 @torch.no_grad()

@@ -1,14 +1,14 @@
-"""The methods of the benchmark (bench.py): the model under test and one runner per method.
+"""The methods of the benchmark (runner.py): the model under test and one runner per method.
 
 Each runner takes a prompt (1, T), the KV-cache size and a seed, runs one generation and returns a
 record of counters (tokens, wall time, target forwards; for specref methods also drafts, accepted
 per position and the draft / verify / prefill times of generate.py's GenerationStats).
 transformers' methods count target forwards with a forward hook (their first forward is the prefill,
-which emits the first token). The trained draft (trained_draft.py) has a reduced vocabulary (Vd
+which emits the first token). The trained draft (draft_model.load_trained_draft) has a reduced vocabulary (Vd
 rows in its LM head, token_map to target ids); for transformers' assisted generation it is wrapped
 so its head scatters the Vd logits into the full V with -inf elsewhere: the same draft, so q is 0
 outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain.
-Left out: Medusa, MTP, EAGLE-2 trees (added when they land).
+Left out: Medusa, MTP, EAGLE-2 trees.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..costs import device_sync
+
 ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "hf_pld", "hf_assist")
 
 
@@ -29,13 +31,13 @@ def load_model(cfg):
     if dtype is None:
         raise ValueError(f"dtype {cfg.dtype!r} is not one of float32, bfloat16, float16")
     if cfg.model == "tiny":  # test-only: a seeded random Llama and a byte "tokenizer"
-        from .models import tiny_model
+        from ..models import tiny_model
 
         V = 96
         model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
         return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
     if cfg.model == "default":
-        from .models import load_default
+        from ..models import load_default
 
         model, tok = load_default(dtype=dtype, device=cfg.device)
         name = "SmolLM2-135M-Instruct (embedded GGUF, dequantised)"
@@ -62,13 +64,13 @@ def load_model(cfg):
 def _trained_draft(cfg, model):
     """(draft, token_map, alpha or None) or raise ValueError/ImportError when there is none."""
     if cfg.model == "tiny":  # an untrained reduced-vocabulary draft: exercises the code path only
-        from .trained_draft import build_draft
+        from ..draft_model import build_draft
 
         return build_draft(model, 1, torch.arange(0, model.config.vocab_size, 2)), \
             torch.arange(0, model.config.vocab_size, 2, device=model.device), None
     if cfg.model != "default":
         raise ValueError("the trained draft belongs to the default model")
-    from .trained_draft import load_trained_draft, trained_draft_info
+    from ..draft_model import load_trained_draft, trained_draft_info
 
     draft, token_map = load_trained_draft(model)
     alpha = trained_draft_info().get("record", {}).get("heldout", {}).get("heldout_top1")
@@ -77,7 +79,7 @@ def _trained_draft(cfg, model):
 
 def _eagle_head(cfg, model):
     """(EagleHead, alpha or None) or raise ValueError when there is none."""
-    from .eagle_head import WEIGHTS, EagleHead, eagle_info, load_eagle
+    from ..eagle_head import WEIGHTS, EagleHead, eagle_info, load_eagle
 
     if cfg.model == "tiny":  # an untrained head: exercises the code path only
         return EagleHead(model, torch.arange(0, model.config.vocab_size, 2)), None
@@ -133,13 +135,13 @@ def _spec_record(out) -> dict:
 
 def build_methods(cfg, model, eos, target) -> tuple:
     """(methods in run order, {skipped name: reason})."""
-    from .generate import autoregressive_generate, speculative_generate
-    from .hybrid import HybridConfig, HybridProposer
-    from .ngram import NgramConfig, NgramProposer
+    from ..generate import autoregressive_generate, speculative_generate
+    from ..hybrid import HybridConfig, HybridProposer
+    from ..ngram import NgramConfig, NgramProposer
 
     N, T, dev = cfg.max_new_tokens, cfg.temperature, model.device
     V = int(model.get_output_embeddings().weight.shape[0])
-    gen = dict(max_new_tokens=N, temperature=T, eos_token_id=eos)
+    gen = dict(max_new_tokens=N, temperature=T, eos_token_id=eos, timing=True)  # phase times exact on GPUs
     eos_ids = set() if eos is None else set([eos] if isinstance(eos, int) else eos)
     methods: List[Method] = []
     skipped: Dict[str, str] = {}
@@ -149,7 +151,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
 
     def ngram_config() -> NgramConfig:
         if not ngram:
-            from .draft_eval import measure_verify_cost
+            from ..costs import measure_verify_cost
 
             vc = measure_verify_cost(target, 10)  # the draft length rule needs this machine's costs
             ngram.append(NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4),
@@ -170,7 +172,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
                 t0 = time.perf_counter()
                 seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                      eos_token_id=eos, pad_token_id=min(eos_ids, default=0), **sample, **extra)
-                _sync(dev)
+                device_sync(dev)
                 wall = time.perf_counter() - t0
             finally:
                 hook.remove()
@@ -191,7 +193,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
                                   f"c0 {ng.verify_cost_fixed:.3f})", spec(lambda: NgramProposer(ng)), k=ng.k))
         elif name == "lookahead":
             try:
-                from .lookahead import LookaheadConfig, LookaheadProposer
+                from ..lookahead import LookaheadConfig, LookaheadProposer
             except ImportError as e:
                 skipped[name] = f"specref.lookahead not importable ({e})"
                 continue
@@ -210,7 +212,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
                 continue
             draft, token_map, k = trained["draft"], trained["token_map"], trained["k"]
             if name in ("draft", "hybrid_draft"):
-                from .draft_model import DraftModelConfig, DraftModelProposer
+                from ..draft_model import DraftModelConfig, DraftModelProposer
 
                 dk = DraftModelConfig(k=k)
                 make = lambda: DraftModelProposer(draft, dk, token_map=token_map, vocab_size=V)  # noqa: E731
@@ -231,7 +233,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
             except (ImportError, ValueError, FileNotFoundError) as e:
                 skipped[name] = f"no trained EAGLE head ({e})"
                 continue
-            from .eagle_head import EagleProposer
+            from ..eagle_head import EagleProposer
 
             head, ec = eagle["head"], eagle["config"]
             if name == "eagle":
@@ -268,9 +270,9 @@ def _eagle_setup(cfg, model, target) -> dict:
     """The committed head and its adaptive EagleConfig: k by the closed form from the held-out alpha
     and the measured head cost; per row and step k' <= k by the same closed form on the row's
     measured acceptance, with this machine's costs (a head step plus one more verified token, c0)."""
-    from .draft_eval import measure_verify_cost
-    from .eagle_head import EagleConfig, measure_head_cost
-    from .theory import optimal_k
+    from ..costs import measure_verify_cost
+    from ..eagle_head import EagleConfig, measure_head_cost
+    from ..theory import optimal_k
 
     head, alpha = _eagle_head(cfg, model)
     c_head = measure_head_cost(target, head)["c"]
@@ -282,14 +284,10 @@ def _eagle_setup(cfg, model, target) -> dict:
 
 def _draft_k(target, draft, alpha) -> int:
     """k from the closed form (theory.optimal_k) with the draft's held-out alpha and measured c."""
-    from .draft_eval import measure_cost
-    from .theory import optimal_k
+    from ..costs import measure_cost
+    from ..theory import optimal_k
 
     if alpha is None:
         return 4
     return optimal_k(float(alpha), measure_cost(target, draft)["c"], k_max=10)
 
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)

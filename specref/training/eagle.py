@@ -1,4 +1,4 @@
-"""Training the EAGLE head (eagle_head.py) on self-distilled data with the shared loop (train.py).
+"""Training the EAGLE head (eagle_head.py) on self-distilled data with the shared loop (training/loop.py).
 
 Li et al. 2024 (EAGLE, Sec. 3.2): the head is trained with teacher forcing on the target's own
 features: at every position t it reads (f_t, x_{t+1}) and is asked for f_{t+1}. Loss =
@@ -25,9 +25,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from .distill_data import Batch, Seq
-from .eagle_head import EagleHead, save_eagle
-from .target import additive_mask
+from ..eagle_head import EagleHead, save_eagle
+from ..target import additive_mask
+from .data import Batch, Seq
+from .draft import build_token_map
+from .loop import distilled_run, fit, split_heldout
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def load_features(path, seqs: Sequence[Seq], fingerprint: str) -> bool:
 
 
 class EagleTask:
-    """TrainTask (train.py) of the EAGLE head: needs batches with features and stored top-k."""
+    """TrainTask (loop.py) of the EAGLE head: needs batches with features and stored top-k."""
 
     def __init__(self, head: EagleHead, config: EagleTrainConfig = EagleTrainConfig(), seed: int = 0):
         self.module, self.config = head, config
@@ -187,9 +189,6 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
                        device="cpu", export=None) -> int:
     """Self-distil data with the default model (or reuse `data`), attach the target's features
     (cached in the run folder), train the EAGLE head, save it (and `export` a copy)."""
-    from .train import distilled_run, fit, split_heldout
-    from .trained_draft import build_token_map
-
     out, target, _, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device,
                                                            f"eagle_seed{train_cfg.seed}")
     fp = f"{manifest['model_fingerprint']}:{len(seqs)}:{train_cfg.max_len}"

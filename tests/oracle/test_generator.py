@@ -5,9 +5,9 @@ import torch
 from specref.draft_model import DraftModelConfig, DraftModelProposer
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import perturbed_copy, tiny_model
-from specref.oracle_generator import check_generator
+from specref.oracle.generator import check_generator
 from specref.sampling import SamplingConfig, logits_to_probs, sample
-from specref.toy import MarkovLM, ToyConfig
+from specref.oracle.toy import MarkovLM, ToyConfig
 
 
 def test_toy_direct_sampling_passes_and_greedy_as_sampling_fails():

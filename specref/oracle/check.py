@@ -3,7 +3,7 @@
 Leviathan et al. 2023 (Algorithm 1, Theorem 3.5) and Chen et al. 2023: given drafts x_j ~ q_j, accept
 x_j with probability min(1, p_j(x)/q_j(x)), on the first rejection emit a token from
 norm(max(0, p_j - q_j)), after L accepted drafts emit a bonus token from p_{L+1}. With p and q fixed
-per position (as here) the result has an exact closed form, tested with chi-square (oracle.py):
+per position (as here) the result has an exact closed form, tested with chi-square (stats.py):
 - pos j: the token emitted at position j, over rows that reached j, is distributed as p_j;
 - bonus: the token after all L drafts were accepted is distributed as p_{L+1};
 - residual j: the token emitted after rejecting at j is norm(max(0, p_j - q_j));
@@ -15,12 +15,11 @@ Bonferroni-corrected; two looks (1/8 of the samples, then all) at alpha/2 each s
 early. Plus structural checks: accepted tokens equal the drafts, -1 padding, counts in range.
 
 Left out: tree verification, whole decoders (check_generator: see the report of issue 6), typical
-acceptance. Mutants and the worked transformers example live in oracle_selftest.py.
+acceptance. The standard cases live in cases.py, the mutants and the worked transformers example in
+selftest.py, the command line in cli.py.
 """
 from __future__ import annotations
 
-import argparse
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -28,26 +27,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .oracle import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
+from .cases import Case, Variant, standard_cases
+from .stats import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
 
 APIS = ("specref", "vllm", "plain")
-
-
-@dataclass(frozen=True)
-class Variant:
-    p: torch.Tensor  # (K+1, V) target probs; rows after length+1 are junk the sampler must ignore
-    q: Optional[torch.Tensor]  # (K, V) draft probs (rows after length are junk), or None
-    drafts: Optional[torch.Tensor]  # (K,) fixed draft tokens when q is None, else None
-    length: int  # L, draft tokens of this row (0..K)
-    label: str
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    vocab: int  # V
-    k: int  # K, the padded draft width
-    variants: Tuple[Variant, ...]  # all with q, or all with q None
 
 
 @dataclass(frozen=True)
@@ -267,14 +250,13 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
                             samples: int = 50_000, alpha: float = 1e-3, seed: int = 0, early_stop: bool = True,
                             max_joint_cells: int = 4096, device="cpu") -> Report:
     """Run `fn` (see `adapt` for the calling conventions) on `samples` rows per variant of each case
-    (default: oracle_selftest.standard_cases()) and test the output against the exact distribution."""
+    (default: cases.standard_cases()) and test the output against the exact distribution."""
     if samples < 8:
         raise ValueError(f"samples must be >= 8 (rows per variant), got {samples}")
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     call = adapt(fn, api)
     if cases is None:
-        from .oracle_selftest import standard_cases
         cases = standard_cases()
     looks = [max(1, samples // 8), samples] if early_stop else [samples]
     m = sum(_num_tests(v) for c in cases for v in c.variants)
@@ -314,36 +296,3 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
             return Report(passed, alpha, threshold, tuple(tests), tuple(errors), total,
                           max(firsts) if firsts else math.inf, li < len(looks) - 1)
     raise AssertionError("unreachable")
-
-
-# ---------------------------------------------------------------- CLI
-def _load(spec: str) -> Callable:
-    if ":" not in spec:
-        raise ValueError(f"--sampler must be module:function, got {spec!r}")
-    mod, _, name = spec.partition(":")
-    return getattr(importlib.import_module(mod), name)
-
-
-def oracle_main(argv: Optional[List[str]] = None) -> int:
-    """`python -m specref oracle --sampler module:function --api vllm|specref|plain` or `--self-test`."""
-    ap = argparse.ArgumentParser(prog="python -m specref oracle", description=__doc__.split("\n")[0])
-    ap.add_argument("--sampler", help="module:function of the rejection sampler to check")
-    ap.add_argument("--api", choices=APIS, default="specref", help="its calling convention (see oracle_check.adapt)")
-    ap.add_argument("--self-test", action="store_true", help="check that the oracle rejects known-wrong samplers")
-    ap.add_argument("--samples", type=int, default=None, help="rows per variant (default 50000; plain API 5000)")
-    ap.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance (default 1e-3)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--false-alarm-runs", type=int, default=20, help="self-test: repeated correct runs (default 20)")
-    args = ap.parse_args(argv)
-    if args.self_test:
-        from .oracle_selftest import self_test
-        ok, lines = self_test(samples=args.samples or 20_000, alpha=args.alpha, seed=args.seed,
-                              false_alarm_runs=args.false_alarm_runs)
-        print("\n".join(lines))
-        return 0 if ok else 1
-    if not args.sampler:
-        ap.error("give --sampler module:function or --self-test")
-    samples = args.samples or (5_000 if args.api == "plain" else 50_000)
-    report = check_rejection_sampler(_load(args.sampler), api=args.api, samples=samples, alpha=args.alpha, seed=args.seed)
-    print(report.summary())
-    return 0 if report.passed else 1

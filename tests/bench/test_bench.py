@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from specref.bench import bench_main, find_question_file, load_questions
-from specref.bench_report import END, START, splice
+from specref.bench.runner import bench_main, find_question_file, load_questions
+from specref.bench.report import END, START, splice
 
 QUESTIONS = [  # Spec-Bench format: question_id, category, turns (only the first turn is used)
     {"question_id": 2, "category": "writing", "turns": ["Write a short poem about the sea.", "Again."]},

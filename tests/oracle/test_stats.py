@@ -1,4 +1,4 @@
-"""Tests of the oracle's statistics (specref/oracle.py), on counts drawn with seeded numpy
+"""Tests of the oracle's statistics (specref/oracle/stats.py), on counts drawn with seeded numpy
 multinomials from known distributions, so the truth is known exactly."""
 import math
 

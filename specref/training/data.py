@@ -25,7 +25,6 @@ multi-turn conversations.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -34,7 +33,9 @@ from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-INSTRUCTIONS = Path(__file__).with_name("data") / "instructions.jsonl"
+from ..weights import fingerprint
+
+INSTRUCTIONS = Path(__file__).resolve().parents[1] / "data" / "instructions.jsonl"
 FORMAT = 1  # bump when the shard layout changes
 
 
@@ -89,15 +90,6 @@ class Batch:
         f = (lambda x: None if x is None else x.to(device))
         return Batch(f(self.tokens), f(self.attention), f(self.loss_mask), f(self.topk_ids),
                      f(self.topk_logprobs), f(self.features))
-
-
-def fingerprint(model: torch.nn.Module) -> str:
-    """16 hex digits identifying a model's weights: names, shapes and a strided sample of values."""
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(p.shape)}".encode())
-        h.update(p.detach().flatten()[::4099].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def load_instructions(path=INSTRUCTIONS, limit: Optional[int] = None, seed: int = 0) -> List[dict]:
@@ -316,7 +308,7 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
     """Answer `rows` with the target into shards `<prefix>#####` (existing shards are kept)."""
     from tqdm.auto import tqdm
 
-    from .generate import autoregressive_generate
+    from ..generate import autoregressive_generate
 
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]

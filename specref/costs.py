@@ -1,0 +1,88 @@
+"""Measured costs: what the closed forms of theory.py need from the machine at hand.
+
+Leviathan et al. 2023 (Theorem 3.8) price a speculative step as 1 + c k target steps: c is the
+cost of one drafted token relative to one target forward. On real hardware the verify block is not
+free either: a block of W tokens costs v(W) >= 1 target steps (on CPUs the kernels of one-row and
+multi-row matrix products differ; on GPUs a small block costs about one step). This module times
+both on the device the model lives on: `measure_verify_cost` fits v(W) = 1 + c0 [W > 1] + c (W - 1),
+`measure_cost` gives a draft model's c, `median_block_times` the raw medians (EAGLE's
+`measure_head_cost` and the bench use it). Timings synchronise the device (`device_sync`), so they
+are exact on CUDA too. Left out: costs at batch > 1, the draft's catch-up blocks.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Dict, List
+
+import torch
+
+from .target import Target
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock measures it; no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def median_block_times(t, widths: List[int], cache_len: int, reps: int, warmup: int) -> Dict[int, float]:
+    """Median seconds of a verify forward of a random block of each width (1 row), on a cache
+    holding `cache_len` tokens; widths interleaved within each round, `warmup` rounds untimed."""
+    cache = t.new_cache(1, cache_len + max(widths) + 2)
+    g = torch.Generator().manual_seed(0)
+    hi = min(1000, t.vocab_size)
+    t.prefill(cache, torch.randint(0, hi, (1, cache_len), generator=g).to(t.device),
+              torch.tensor([cache_len], device=t.device), logits=False)
+    times: Dict[int, List[float]] = {w: [] for w in widths}
+    for i in range(warmup + reps):
+        for w in widths:
+            blk = torch.randint(0, hi, (1, w), generator=g).to(t.device)  # (1, w)
+            device_sync(t.device)
+            a = time.perf_counter()
+            t.verify_chain(cache, blk)
+            device_sync(t.device)
+            if i >= warmup:
+                times[w].append(time.perf_counter() - a)
+            cache.commit(torch.zeros(1, dtype=torch.long, device=t.device))  # keep the cache length
+    return {w: statistics.median(ts) for w, ts in times.items()}
+
+
+def measure_cost(target, draft, cache_len: int = 200, reps: int = 15) -> Dict[str, float]:
+    """Median seconds of one 1-token forward of the target and of the draft; c = their ratio."""
+    times = {}
+    for name, m in (("target", target), ("draft", draft)):
+        t = m if isinstance(m, Target) else Target(m, name=name)
+        times[name] = median_block_times(t, [1], cache_len, reps, warmup=2)[1]
+    return {"t_target": times["target"], "t_draft": times["draft"], "c": times["draft"] / times["target"]}
+
+
+def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> Dict[str, float]:
+    """Fit the verify-cost model cost(W) = 1 + c0 [W > 1] + c (W - 1) of a block of W tokens,
+    relative to a 1-token forward, from median timings of W = 1..k+1 on a `cache_len` cache
+    (widths interleaved within each repetition, so drifting machine load hits them alike).
+    Returns {"c": c, "c0": c0, "t1": seconds of a 1-token forward, "ratios": [cost(W) for W]}.
+    The adaptive n-gram proposer takes c as draft_cost and c0 as verify_cost_fixed.
+    Under compile (TargetConfig.compile) generate.py pads every drafted block to k+1 tokens, so a
+    block costs the same whatever its length: only W = 1 and k+1 are timed (two graphs, not k+1),
+    c = 0 and c0 = cost(k+1) - 1."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    t = target if isinstance(target, Target) else Target(target)
+    if t.config.compile:
+        med = median_block_times(t, [1, k + 1], cache_len, reps, warmup=1)
+        r = med[k + 1] / med[1]
+        return {"c": 0.0, "c0": max(r - 1.0, 0.0), "t1": med[1], "ratios": [1.0] + [r] * k}
+    widths = list(range(1, k + 2))
+    med = median_block_times(t, widths, cache_len, reps, warmup=1)
+    t1 = med[1]
+    ratios = [med[w] / t1 for w in widths]
+    if k == 1:
+        return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "t1": t1, "ratios": ratios}
+    x = torch.tensor([w - 1.0 for w in widths[1:]], dtype=torch.float64)  # extra tokens, W >= 2
+    y = torch.tensor(ratios[1:], dtype=torch.float64) - 1.0
+    c = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    c = max(c, 0.0)
+    c0 = max(float((y - c * x).mean()), 0.0)
+    return {"c": c, "c0": c0, "t1": t1, "ratios": ratios}

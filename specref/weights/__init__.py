@@ -1,0 +1,81 @@
+"""Trained proposer files: the committed weights in this folder, and the code that writes and reads them.
+
+Every learned proposer (the trained draft model, the EAGLE head; Medusa heads and MTP modules
+later) is saved the same way: its trained tensors in ONE safetensors file (never pickle) with
+string metadata: a `format` tag naming the kind of file, the `target_fingerprint` of the model it
+was trained for, and a JSON `record` of how it was made (data, settings, held-out numbers). Method
+modules load their files through this module and training writes them through it, so a method
+never imports training code.
+
+The files committed here (`python -m specref train` rebuilds them; BENCHMARKS.md has the numbers):
+  smollm2_135m_draft.safetensors   the trained 2-layer draft of the default model
+  smollm2_135m_eagle.safetensors   the EAGLE-1 head of the default model
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+FOLDER = Path(__file__).resolve().parent
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """16 hex digits identifying a model's weights: names, shapes and a strided sample of values."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(p.detach().flatten()[::4099].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> None:
+    """A trained proposer's tensors + string metadata as one safetensors file (atomic, mode 644)."""
+    from safetensors.torch import save_file
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = str(path) + ".tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+    Path(tmp).chmod(0o644)
+    Path(tmp).replace(path)
+
+
+def weights_info(path, fmt: str, what: str, how: str) -> dict:
+    """The metadata of a file from save_weights, its "record" parsed; ValueError if the file is
+    missing ("no {what} at ...; {how}") or of another format than `fmt`."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise ValueError(f"no {what} at {path}; {how}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
+    meta["record"] = json.loads(meta.get("record", "{}"))
+    return meta
+
+
+def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
+    """Copy the tensors of a file from save_weights into `expected` (name -> parameter), in place,
+    converted to each parameter's device and dtype; ValueError naming missing or unexpected names."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    tensors.pop("token_map", None)
+    if set(expected) != set(tensors):
+        raise ValueError(f"{path} does not match the {what}'s parameters (missing "
+                         f"{sorted(set(expected) - set(tensors))[:3]}, unexpected {sorted(set(tensors) - set(expected))[:3]})")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            expected[n].copy_(t.to(device=expected[n].device, dtype=expected[n].dtype))
+
+
+def load_token_map(path) -> torch.Tensor:
+    """The `token_map` (Vd,) of a trained proposer's file: target ids of its reduced vocabulary."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("token_map").long()  # (Vd,)

@@ -1,0 +1,30 @@
+"""Trained proposer files (specref/weights): round trip, format and mismatch errors, fingerprints."""
+import pytest
+import torch
+
+from specref.models import tiny_model
+from specref.weights import fingerprint, load_tensors, load_token_map, save_weights, weights_info
+
+
+def test_round_trip_and_errors(tmp_path):
+    path = tmp_path / "w" / "head.safetensors"
+    tensors = {"a.weight": torch.randn(3, 4), "token_map": torch.tensor([5, 2, 9], dtype=torch.int32)}
+    save_weights(path, tensors, {"format": "specref-test-1", "record": '{"steps": 3}'})
+    info = weights_info(path, "specref-test-1", "test head", "make one")
+    assert info["record"] == {"steps": 3} and info["format"] == "specref-test-1"
+    assert load_token_map(path).tolist() == [5, 2, 9]
+    dst = {"a.weight": torch.zeros(3, 4, dtype=torch.float64)}  # converted to the parameter's dtype
+    load_tensors(path, dst, "test head")
+    assert torch.equal(dst["a.weight"], tensors["a.weight"].double())
+    with pytest.raises(ValueError, match="missing"):
+        load_tensors(path, {"a.weight": torch.zeros(3, 4), "b": torch.zeros(1)}, "test head")
+    with pytest.raises(ValueError, match="format"):
+        weights_info(path, "specref-other-1", "other head", "make one")
+    with pytest.raises(ValueError, match="make one"):
+        weights_info(tmp_path / "none.safetensors", "specref-test-1", "test head", "make one")
+
+
+def test_fingerprint_tells_models_apart():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert fingerprint(a) == fingerprint(tiny_model("llama", seed=0))
+    assert fingerprint(a) != fingerprint(b) and len(fingerprint(a)) == 16
