@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import rejection, tree
+from . import checks, rejection, tree
 from .costs import device_sync
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
@@ -149,11 +149,14 @@ class _Counters:
         stats.target_forwards = self.forwards
 
 
-def _rows_from_prompt(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                      vocab: int) -> List[torch.Tensor]:
-    """Accept left- or right-padded (B, T) prompts with an attention mask; one tensor per row."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
-        raise ValueError("input_ids must be an integer torch.Tensor of shape (B, T) or (T,)")
+def _rows_from_prompt(input_ids, attention_mask, vocab: int) -> List[torch.Tensor]:
+    """Accept left- or right-padded (B, T) prompts with an attention mask (tensors, or lists of
+    ints); one tensor per row."""
+    input_ids = checks.as_token_tensor(input_ids, "input_ids")
+    if attention_mask is not None:
+        attention_mask = checks.as_token_tensor(attention_mask, "attention_mask", mask=True)
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
         attention_mask = None if attention_mask is None else attention_mask.view(1, -1)
@@ -207,30 +210,34 @@ def speculative_generate(
     device around each phase so that stats' phase times are exact on CUDA (the bench sets it).
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats).
     """
+    # 0. validation at the boundary (checks.py): every argument before any allocation or forward
     t_start = time.perf_counter()
     tgt = target if isinstance(target, Target) else Target(target)
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    k = int(getattr(proposer, "k", 0))
-    if k < 0:
-        raise ValueError(f"proposer.k must be >= 0, got {k}")
+    sampling = SamplingConfig(temperature=checks.as_float(temperature, "temperature"),
+                              top_k=checks.as_int(top_k, "top_k"), top_p=checks.as_float(top_p, "top_p"))
+    max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens", low=0)
+    k = checks.check_proposer(proposer)
+    who = type(proposer).__name__
+    trust = checks.trusted(proposer)  # the library's own proposers skip the per-step Draft check
     pv = getattr(proposer, "vocab_size", None)
-    if pv is not None and int(pv) != tgt.vocab_size:
+    if pv is not None and checks.as_int(pv, f"{who}.vocab_size") != tgt.vocab_size:
         raise ValueError(f"draft vocab size {pv} != target vocab size {tgt.vocab_size}: "
                          "the draft must share the target's tokenizer and vocabulary")
+    if max_len is not None:
+        max_len = checks.as_int(max_len, "max_len", low=1)
     want_h = getattr(proposer, "hidden_layers", None)  # features the proposer reads (EAGLE), or None
     if want_h is not None and (not isinstance(want_h, tuple) or not want_h
                                or not all(isinstance(i, int) for i in want_h)):
         raise ValueError(f"proposer.hidden_layers must be a non-empty tuple of layer indices, got {want_h!r}")
     rows = _rows_from_prompt(input_ids, attention_mask, tgt.vocab_size)
     B, dev = len(rows), tgt.device
-    eos = torch.tensor([] if eos_token_id is None else
-                       ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
-                       dtype=torch.long, device=dev)  # (E,)
+    eos = torch.tensor(checks.eos_ids(eos_token_id, tgt.vocab_size), dtype=torch.long, device=dev)  # (E,)
+    generator = checks.generators(generator, B)
+    if generator is not None and seed is not None:
+        raise ValueError("pass generator or seed, not both (seed would be ignored)")
     if generator is None:
-        generator = make_generators(seed if seed is not None else int(torch.randint(0, 2**62, ())),
-                                    B, dev)
+        generator = make_generators(checks.seed_value(seed, B) if seed is not None
+                                    else int(torch.randint(0, 2**62, ())), B, dev)
     stats = GenerationStats()
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     P_max = int(prompt_len.max())
@@ -271,10 +278,13 @@ def speculative_generate(
         stats.prefill_time = clock() - t0
         proposer.begin(ctx, sampling, generator)
 
+        step_no = 0
         while bool(ctx.active.any()):
             # 1. draft
             t0 = clock()
             draft = proposer.propose(ctx, sampling, generator)
+            if not trust:  # a user's proposer: its Draft is checked before the target sees it
+                checks.check_draft(draft, who, B, tgt.vocab_size, k)
             t1 = clock()
             # 2. verify: the target scores [pending token, draft] in one forward
             budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
@@ -282,7 +292,7 @@ def speculative_generate(
             verify = _verify_tree if draft.is_tree else _verify_chain
             block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer)
             # 3. accept: rejection.py, then each row's cut at its token budget and first eos
-            step = _accept(block, draft.q, sampling, generator)
+            step = _accept(block, draft.q, sampling, generator, step_no, who)
             if step.emitted.shape[1] > K + 1:
                 raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
                                  f"than its k = {k}")
@@ -303,6 +313,7 @@ def speculative_generate(
             if want_h is not None:
                 ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
             proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
+            step_no += 1
     counters.fill(stats)
     stats.wall_time = time.perf_counter() - t_start
     return GenerationOutput(out_tokens[:, :max_new_tokens].contiguous(), n_new, stats)
@@ -356,23 +367,28 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
     return _Block(tok, lengths, deepest, par, logits, out.hidden)
 
 
-def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator) -> StepResult:
-    """The rejection step (rejection.py): greedy exact match, or speculative sampling against p."""
+def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator, step: int,
+            who: str) -> StepResult:
+    """The rejection step (rejection.py): greedy exact match, or speculative sampling against p.
+    The distributions are checked here once (NaN / inf, naming the model, row and step); rejection.py
+    then runs unchecked (validate=False): the drafts are the library's own or passed check_draft."""
     N = block.tokens.shape[1]
-    if block.parents is None:
-        if sampling.greedy:
-            res = rejection.verify_chain_greedy(block.tokens, block.logits, lengths=block.lengths)
-        else:
-            p = logits_to_probs(block.logits, sampling)  # (B, K+1, V)
-            res = rejection.verify_chain(block.tokens, p, None if q is None else q[:, :N].to(p),
-                                         lengths=block.lengths, generator=generator)
-        return StepResult(res.tokens, res.num_accepted)
     if sampling.greedy:
-        res = rejection.verify_tree_greedy(block.tokens, block.parents, block.logits, lengths=block.lengths)
-    else:
-        p = logits_to_probs(block.logits, sampling)  # (B, 1+N, V)
-        res = rejection.verify_tree(block.tokens, block.parents, p, None if q is None else q[:, :N].to(p),
-                                    lengths=block.lengths, generator=generator)
+        checks.finite_or_raise(step, who, logits=block.logits)
+        if block.parents is None:
+            res = rejection.verify_chain_greedy(block.tokens, block.logits, lengths=block.lengths, validate=False)
+            return StepResult(res.tokens, res.num_accepted)
+        res = rejection.verify_tree_greedy(block.tokens, block.parents, block.logits, lengths=block.lengths,
+                                           validate=False)
+        return StepResult(res.tokens, res.num_accepted, res.path)
+    p = logits_to_probs(block.logits, sampling)  # (B, 1+N, V)
+    q = None if q is None else q[:, :N].to(p)  # (B, N, V)
+    checks.finite_or_raise(step, who, p=p, q=q)
+    if block.parents is None:
+        res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False)
+        return StepResult(res.tokens, res.num_accepted)
+    res = rejection.verify_tree(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator,
+                                validate=False)
     return StepResult(res.tokens, res.num_accepted, res.path)
 
 

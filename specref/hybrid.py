@@ -71,6 +71,7 @@ class HybridProposer:
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.ngram, self.learned, self.config = ngram, learned, config
+        self.parts = (ngram, learned)  # checks.trusted: a user's learned part makes the drafts a user's
         tree = config.mode == "tree"
         self.k = int(ngram.k) + int(learned.k) if tree else max(int(ngram.k), int(learned.k))  # nodes / tokens
         self.vocab_size = getattr(learned, "vocab_size", None)

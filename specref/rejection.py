@@ -61,12 +61,16 @@ class TreeResult:
 
 # ---------------------------------------------------------------- input checks (ValueError)
 
-def _draft_lengths(tokens: torch.Tensor, lengths, vocab: Optional[int], name: str):
+def _draft_lengths(tokens: torch.Tensor, lengths, vocab: Optional[int], name: str, validate: bool = True):
     """Check draft tokens (B, K) and return (lengths (B,), valid (B, K) bool).
 
     Entries must be -1 (placeholder) or a token id in [0, vocab). lengths=None: the count before the
     first -1. Given lengths: 0..K, no -1 inside a row's length; entries beyond it are ignored.
+    validate=False (the loop's own calls, lengths given): no checks, no host sync.
     """
+    if not validate:
+        lengths = lengths.long()  # (B,)
+        return lengths, torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
         raise ValueError(f"{name} must be an integer tensor (B, K), got "
                          f"{getattr(tokens, 'dtype', type(tokens))} of shape {tuple(getattr(tokens, 'shape', ()))}")
@@ -94,9 +98,11 @@ def _draft_lengths(tokens: torch.Tensor, lengths, vocab: Optional[int], name: st
     return lengths, pos[None, :] < lengths[:, None]  # (B,), (B, K)
 
 
-def _check_probs(x: torch.Tensor, name: str, shape: tuple, used: torch.Tensor) -> torch.Tensor:
+def _check_probs(x: torch.Tensor, name: str, shape: tuple, used: torch.Tensor, validate: bool = True) -> torch.Tensor:
     """x must have `shape`; rows where used (B, R) is True must be finite, >= 0, sum to 1 (+-tol).
-    Returns x in at least float32."""
+    Returns x in at least float32 (validate=False: only that)."""
+    if not validate:
+        return x.to(torch.promote_types(x.dtype, torch.float32))
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or tuple(x.shape) != shape:
         raise ValueError(f"{name} must be a float tensor of shape {shape}, got "
                          f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
@@ -117,10 +123,10 @@ def _check_probs(x: torch.Tensor, name: str, shape: tuple, used: torch.Tensor) -
     return x
 
 
-def _target_argmax(x: torch.Tensor, B: int, R: int) -> torch.Tensor:
+def _target_argmax(x: torch.Tensor, B: int, R: int, validate: bool = True) -> torch.Tensor:
     """Target argmax (B, R) from logits (B, R, V) or from argmax ids (B, R)."""
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 3 and x.shape[:2] == (B, R):
-        if bool(torch.isnan(x).any()):
+        if validate and bool(torch.isnan(x).any()):
             raise ValueError("target logits contain NaN; the argmax is undefined")
         return greedy_tokens(x)  # (B, R)
     if isinstance(x, torch.Tensor) and not x.is_floating_point() and tuple(x.shape) == (B, R):
@@ -132,7 +138,8 @@ def _target_argmax(x: torch.Tensor, B: int, R: int) -> torch.Tensor:
 # ---------------------------------------------------------------- chain
 
 def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor] = None, *,
-                 lengths: Optional[torch.Tensor] = None, generator: Generators = None) -> ChainResult:
+                 lengths: Optional[torch.Tensor] = None, generator: Generators = None,
+                 validate: bool = True) -> ChainResult:
     """Speculative sampling of a batch of ragged draft chains. Vectorised over rows and positions.
 
     draft_tokens (B, K) long, -1 beyond a row's length; lengths (B,) (default: count before the
@@ -150,18 +157,20 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
         (u q(x) == p(x)) can still produce one; the token is then drawn from p, never from 0/0.
     Errors (ValueError naming the value): shapes that disagree, a token id outside [0, V) other than
     -1, -1 inside a row's length, NaN/inf/negative entries or a distribution not summing to 1.
+    validate=False skips those checks (and their host syncs): for callers that guarantee valid
+    inputs, as generate.py's loop does after its own checks (checks.py); lengths must be given.
     """
     if not isinstance(p, torch.Tensor) or p.dim() != 3:
         raise ValueError(f"p must be a (B, K+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
     V = p.shape[-1]
     if isinstance(draft_tokens, torch.Tensor):
         draft_tokens = draft_tokens.to(p.device)
-    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens")
+    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens", validate)
     B, K = draft_tokens.shape
     rows_p = torch.arange(K + 1, device=p.device)[None, :] <= lengths[:, None]  # (B, K+1)
-    p = _check_probs(p, "p", (B, K + 1, V), rows_p)
+    p = _check_probs(p, "p", (B, K + 1, V), rows_p, validate)
     if q is not None:
-        q = _check_probs(q, "q", (B, K, V), valid)
+        q = _check_probs(q, "q", (B, K, V), valid, validate)
     dev = p.device
     u = ragged_uniforms(lengths + 1, K + 1, generator, dev)  # (B, K+1), row b uses lengths[b] + 1
     x = draft_tokens.clamp(min=0)  # (B, K) placeholders read token 0, masked by `valid`
@@ -199,16 +208,17 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
 
 
 def verify_chain_greedy(draft_tokens: torch.Tensor, target: torch.Tensor, *,
-                        lengths: Optional[torch.Tensor] = None) -> ChainResult:
+                        lengths: Optional[torch.Tensor] = None, validate: bool = True) -> ChainResult:
     """Greedy verification: accept while draft_tokens[b, i] == argmax of target row i, then emit the
     target's argmax at the first mismatch (or the bonus argmax after n_b accepted drafts).
 
     target: logits (B, K+1, V) (argmax taken here, first index on ties) or argmax ids (B, K+1).
+    validate=False: no input checks (see verify_chain).
     """
     B, K = draft_tokens.shape if isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() == 2 else (0, -1)
     vocab = target.shape[-1] if isinstance(target, torch.Tensor) and target.is_floating_point() else None
-    lengths, valid = _draft_lengths(draft_tokens, lengths, vocab, "draft_tokens")
-    a = _target_argmax(target, B, K + 1).to(draft_tokens.device)  # (B, K+1)
+    lengths, valid = _draft_lengths(draft_tokens, lengths, vocab, "draft_tokens", validate)
+    a = _target_argmax(target, B, K + 1, validate).to(draft_tokens.device)  # (B, K+1)
     match = valid & (draft_tokens == a[:, :K])  # (B, K)
     n_acc = match.long().cumprod(1).sum(1)  # (B,)
     pos = torch.arange(K + 1, device=a.device)[None, :]  # (1, K+1)
@@ -218,10 +228,10 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target: torch.Tensor, *,
 
 # ---------------------------------------------------------------- tree
 
-def _tree_structure(parents: torch.Tensor, valid: torch.Tensor):
+def _tree_structure(parents: torch.Tensor, valid: torch.Tensor, validate: bool = True):
     """Check parents (B, N) (-1 = child of the root, else an earlier node) and return
     (parents with padding set to -1 (B, N), depth (B, N) with root children at 1, padding 0, D)."""
-    par = check_parents(parents, valid)  # (B, N)
+    par = check_parents(parents, valid) if validate else torch.where(valid, parents.long(), -1)  # (B, N)
     N = valid.shape[1]
     depth = valid.long()  # (B, N)
     anc = par  # (B, N) ancestor one more level up, -1 past the root
@@ -258,7 +268,7 @@ def _tree_output(path: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor, 
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
                 q: Optional[torch.Tensor] = None, *, lengths: Optional[torch.Tensor] = None,
-                generator: Generators = None) -> TreeResult:
+                generator: Generators = None, validate: bool = True) -> TreeResult:
     """Recursive rejection sampling down a batch of token trees (see the module docstring).
 
     tokens (B, N) long, -1 padded; parents (B, N) long, -1 = child of the root, else an earlier
@@ -267,21 +277,22 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     (deterministic drafts) or (B, N, V): q[b, i] the distribution node i was drawn from (at its
     parent; siblings drawn i.i.d. share it). Duplicate sibling tokens are allowed: a repeated
     deterministic token is rejected (its mass is already removed). Edge cases and errors as
-    verify_chain. Loops over depth levels and, within a level, over sibling rank; vectorised over
-    rows. Returns TreeResult(tokens (B, D+1), path (B, D), num_accepted (B,)), D the deepest node.
+    verify_chain (validate=False as there). Loops over depth levels and, within a level, over
+    sibling rank; vectorised over rows. Returns TreeResult(tokens (B, D+1), path (B, D),
+    num_accepted (B,)), D the deepest node.
     """
     if not isinstance(p, torch.Tensor) or p.dim() != 3:
         raise ValueError(f"p must be a (B, N+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
     V = p.shape[-1]
     if isinstance(tokens, torch.Tensor) and isinstance(parents, torch.Tensor):
         tokens, parents = tokens.to(p.device), parents.to(p.device)
-    lengths, valid = _draft_lengths(tokens, lengths, V, "tokens")
+    lengths, valid = _draft_lengths(tokens, lengths, V, "tokens", validate)
     B, N = tokens.shape
-    par, depth, D = _tree_structure(parents, valid)
+    par, depth, D = _tree_structure(parents, valid, validate)
     rows_p = torch.arange(N + 1, device=tokens.device)[None, :] <= lengths[:, None]  # (B, N+1)
-    p = _check_probs(p, "p", (B, N + 1, V), rows_p)
+    p = _check_probs(p, "p", (B, N + 1, V), rows_p, validate)
     if q is not None:
-        q = _check_probs(q, "q", (B, N, V), valid)
+        q = _check_probs(q, "q", (B, N, V), valid, validate)
     dev = p.device
     u = ragged_uniforms(lengths + 1, N + 1, generator, dev)  # (B, N+1), row b uses lengths[b] + 1
     rows = torch.arange(B, device=dev)  # (B,)
@@ -327,19 +338,20 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
 
 
 def verify_tree_greedy(tokens: torch.Tensor, parents: torch.Tensor, target: torch.Tensor, *,
-                       lengths: Optional[torch.Tensor] = None) -> TreeResult:
+                       lengths: Optional[torch.Tensor] = None, validate: bool = True) -> TreeResult:
     """Greedy tree verification: the longest path from the root whose every token equals the
     target's argmax at its parent, then the argmax after its last node. Ties between equally long
     paths (duplicate siblings) go to the smaller node index. Equals plain greedy decoding for any
     tree shape. target: logits (B, N+1, V) or argmax ids (B, N+1); row 0 after the root.
+    validate=False: no input checks (see verify_chain).
     """
     B, N = tokens.shape if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 else (0, -1)
     vocab = target.shape[-1] if isinstance(target, torch.Tensor) and target.is_floating_point() else None
-    lengths, valid = _draft_lengths(tokens, lengths, vocab, "tokens")
+    lengths, valid = _draft_lengths(tokens, lengths, vocab, "tokens", validate)
     if isinstance(parents, torch.Tensor):
         parents = parents.to(tokens.device)
-    par, depth, D = _tree_structure(parents, valid)
-    a = _target_argmax(target, B, N + 1).to(tokens.device)  # (B, N+1)
+    par, depth, D = _tree_structure(parents, valid, validate)
+    a = _target_argmax(target, B, N + 1, validate).to(tokens.device)  # (B, N+1)
     match = valid & (tokens == a.gather(1, par + 1))  # (B, N) token == argmax at its parent
     ok = match  # (B, N) ... and at every ancestor
     anc = par  # (B, N)

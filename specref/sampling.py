@@ -51,7 +51,8 @@ def warp_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Apply temperature, top-k and top-p; removed tokens get -inf. Works on (..., V)."""
     if cfg.greedy:
         raise ValueError("temperature 0 is greedy: use greedy_tokens(), not a distribution")
-    x = logits.float() / cfg.temperature  # (..., V)
+    x = logits.float()  # (..., V)
+    x = (x - x.amax(-1, keepdim=True)) / cfg.temperature  # (..., V) the max at 0: no overflow at tiny T
     V = x.shape[-1]
     if 0 < cfg.top_k < V:
         kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)

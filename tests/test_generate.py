@@ -175,7 +175,7 @@ def test_whole_loop_catches_a_wrong_verifier(monkeypatch):
     s = SamplingConfig(1.0)
     exact = hf_joint_distribution(target, prompt, L, s).numpy()
 
-    def accept_all(draft_tokens, p, q=None, *, lengths=None, generator=None):
+    def accept_all(draft_tokens, p, q=None, *, lengths=None, generator=None, validate=True):
         B, K = draft_tokens.shape
         lengths = (draft_tokens >= 0).sum(1) if lengths is None else lengths
         bonus = torch.multinomial(p[torch.arange(B), lengths], 1, generator=torch.Generator().manual_seed(0))
