@@ -53,13 +53,30 @@ class DraftModelProposer:
         """token_map (Vd,): a reduced draft vocabulary (EAGLE-3's trick): the draft's LM head scores
         Vd tokens and token_map[i] is the target id of draft token i; q is 0 outside it, which stays
         lossless (those tokens can still come from the residual). vocab_size: the target's V
-        (required with token_map)."""
+        (required with token_map). Without token_map, a vocab_size other than the draft's head size
+        declares a padded vocabulary of the same tokenizer (Qwen2.5-0.5B's 151,936 rows vs 7B's
+        152,064: shared ids agree, the extra rows are padding): a larger draft head is scored on
+        its first V rows only (q = 0 on its padding), a smaller one maps its ids to the same target
+        ids (q = 0 on the target's extra rows); sizes that differ by more than max(V / 64, 256) are
+        refused (another tokenizer)."""
         self.config = config
         self.k = config.k
         self.lm = draft_model if isinstance(draft_model, Target) else Target(
             draft_model, TargetConfig(compile=config.compile), name="draft model")
         self.token_map = None
         self.vocab_size = self.lm.vocab_size
+        self.head_rows: Optional[int] = None  # a padded draft head: score only its first V rows
+        emb = self.lm.model.get_input_embeddings()
+        self.in_rows = int(emb.num_embeddings) if emb is not None else None  # ids the draft can read
+        if token_map is None and vocab_size is not None and int(vocab_size) != self.lm.vocab_size:
+            V, Vd = int(vocab_size), self.lm.vocab_size
+            if abs(Vd - V) > max(V // 64, 256):
+                raise ValueError(f"the draft's vocabulary ({Vd}) and the target's ({V}) differ by more than "
+                                 "padding: the draft must use the target's tokenizer (or pass a token_map)")
+            if Vd > V:
+                self.head_rows, self.vocab_size = V, V
+            else:
+                token_map = torch.arange(Vd)  # draft id i is target id i
         if token_map is not None:
             token_map = torch.as_tensor(token_map, dtype=torch.long, device=self.lm.device)
             if token_map.dim() != 1 or token_map.numel() != self.lm.vocab_size:
@@ -76,13 +93,20 @@ class DraftModelProposer:
         self.done = None  # (B,) context tokens whose K/V the draft cache holds
         self.ctx_len = None  # (B,) context length at the last propose (= done after an update)
 
+    def _readable(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids the draft's embedding can read: a draft with fewer rows (a padded vocabulary)
+        sees the target's extra ids, which a shared tokenizer never produces, as its last row."""
+        if self.in_rows is not None and self.in_rows < self.vocab_size:
+            return tokens.clamp(max=self.in_rows - 1)
+        return tokens
+
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
         # 2T slots: a row outside ctx.active for some steps catches up later in one block, written
         # at every row's next slots; only that block's padding columns get positions past the context
         self.cache = self.lm.new_cache(B, 2 * T + self.k + 2)
         P = int(ctx.lengths.max()) - 1
-        self.lm.prefill(self.cache, ctx.tokens[:, :P], ctx.lengths - 1, logits=False)
+        self.lm.prefill(self.cache, self._readable(ctx.tokens[:, :P]), ctx.lengths - 1, logits=False)
         self.done = ctx.lengths - 1  # (B,)
         self.ctx_len = self.done  # (B,) nothing speculative yet: an update() now keeps everything
 
@@ -97,8 +121,8 @@ class DraftModelProposer:
         W = max(int(todo.max()), 1)
         j = torch.arange(W, device=dev)  # (W,)
         idx = (self.done.view(B, 1) + j).clamp(max=ctx.tokens.shape[1] - 1)  # (B, W)
-        block = ctx.tokens.gather(1, idx)  # (B, W)
-        logits = self.lm.verify_chain(self.cache, block, pad_to=2).logits  # (B, W, V)
+        block = self._readable(ctx.tokens.gather(1, idx))  # (B, W)
+        logits = self.lm.verify_chain(self.cache, block, pad_to=2).logits[..., :self.head_rows]  # (B, W, V)
         self.cache.commit(todo)
         last = logits[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, V)
         tokens, qs = [], []
@@ -114,7 +138,7 @@ class DraftModelProposer:
                 x = self.token_map[x]  # (B,) target ids: the next input is a target id
             tokens.append(x)
             if i + 1 < k:  # feed x_i to get q_{i+1}; the k-th token is never fed this step
-                last = self.lm.verify_chain(self.cache, x.view(B, 1)).logits[:, 0]  # (B, V)
+                last = self.lm.verify_chain(self.cache, x.view(B, 1)).logits[:, 0, :self.head_rows]  # (B, V)
                 self.cache.commit(ctx.active.long())
         self.ctx_len = ctx.lengths.clone()
         self.done = torch.where(ctx.active, ctx.lengths + (k - 1), self.done)  # (B,) inactive rows: as was

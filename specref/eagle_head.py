@@ -166,7 +166,7 @@ class EagleProposer:
         start = (ctx.lengths - 1 - ctx.hidden_len).view(B, 1)  # (B, 1) position of hidden[:, 0]
         ok = j < ctx.hidden_len.view(B, 1)  # (B, W)
         rows = torch.arange(B, device=ctx.hidden.device).view(B, 1).expand(B, W)  # (B, W)
-        self.feat[rows[ok], (start + j)[ok]] = ctx.hidden[ok].to(self.feat.dtype)
+        self.feat[rows[ok], (start + j)[ok]] = ctx.hidden[ok].to(self.feat)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape

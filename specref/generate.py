@@ -210,7 +210,7 @@ def speculative_generate(
     device around each phase so that stats' phase times are exact on CUDA (the bench sets it).
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats).
     """
-    # 0. validation at the boundary (checks.py): every argument before any allocation or forward
+    # validation at the boundary (checks.py): every argument before any allocation or forward
     t_start = time.perf_counter()
     tgt = target if isinstance(target, Target) else Target(target)
     sampling = SamplingConfig(temperature=checks.as_float(temperature, "temperature"),
@@ -221,8 +221,9 @@ def speculative_generate(
     trust = checks.trusted(proposer)  # the library's own proposers skip the per-step Draft check
     pv = getattr(proposer, "vocab_size", None)
     if pv is not None and checks.as_int(pv, f"{who}.vocab_size") != tgt.vocab_size:
-        raise ValueError(f"draft vocab size {pv} != target vocab size {tgt.vocab_size}: "
-                         "the draft must share the target's tokenizer and vocabulary")
+        raise ValueError(f"draft vocab size {pv} != target vocab size {tgt.vocab_size}: the draft must share "
+                         "the target's tokenizer and vocabulary (a padded vocabulary of the same tokenizer: "
+                         f"DraftModelProposer(..., vocab_size={tgt.vocab_size}))")
     if max_len is not None:
         max_len = checks.as_int(max_len, "max_len", low=1)
     want_h = getattr(proposer, "hidden_layers", None)  # features the proposer reads (EAGLE), or None

@@ -16,7 +16,9 @@ with three differences from transformers' StaticCache:
 
 Invariant (tested): after every commit, slots 0..lengths[b]-1 of every layer equal a fresh prefill
 of row b's committed tokens. Overflowing max_len raises before any state changes.
-Left out: sliding-window layers, linear-attention (SSM) layers, offloading, quantised caches.
+Each layer's keys and values live on the device of the layer that writes them (a model placed by
+accelerate's device_map spreads the cache with it). Left out: sliding-window layers,
+linear-attention (SSM) layers, offloading the cache itself, quantised caches.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class _RowLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         slots = self.owner.block_slots  # (B, Q)
         assert slots is not None and slots.shape[1] == key_states.shape[2], "begin_block() not called"
+        slots = slots.to(key_states.device)  # a layer placed on another device (accelerate device_map)
         B, H, Q, Dk = key_states.shape
         idx_k = slots.view(B, 1, Q, 1).expand(B, H, Q, Dk)  # (B, H, Q, Dk)
         idx_v = slots.view(B, 1, Q, 1).expand(B, H, Q, value_states.shape[-1])  # (B, H, Q, Dv)
@@ -73,6 +76,7 @@ class _RowLayer(CacheLayerMixin):
         """keys[b, :, dst[b, j]] = keys[b, :, src[b, j]] for all j (all reads before writes)."""
         if not self.is_initialized:
             return
+        src, dst = src.to(self.keys.device), dst.to(self.keys.device)
         for buf in (self.keys, self.values):
             B, H, _, D = buf.shape
             J = src.shape[1]

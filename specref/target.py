@@ -18,6 +18,11 @@ SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D ma
 updates `cache` through `Cache.update`). Not supported, with a ValueError: encoder-decoder models,
 non-causal models, models with sliding-window or linear-attention layers (the mask here is a full
 causal one, and recurrent state cannot be rolled back by a length change).
+
+Models placed by accelerate (`from_pretrained(..., device_map=...)`, `accelerate.dispatch_model`,
+CPU or disk offload) work as they are: every forward goes through accelerate's hooks, each cache
+layer's keys and values live on the device of the layer that writes them, and the logits and
+hidden states come back to the input device (the embedding's), where the loop runs.
 """
 from __future__ import annotations
 
@@ -117,7 +122,10 @@ class Target:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" in params
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        # the input device: where the first resident weight (the embedding) lives; a model placed by
+        # accelerate (device_map, offload) has its offloaded weights on "meta" until its hooks run
+        self.device = next((q.device for q in model.parameters() if q.device.type != "meta"), p.device)
+        self.dtype = p.dtype
         mp = getattr(model.config, "max_position_embeddings", None)
         self.max_positions: Optional[int] = int(mp) if mp else None  # the model's position window
         self.packed: Optional[PackedLinears] = None
@@ -173,8 +181,8 @@ class Target:
         hidden = None
         if want_hidden:
             hs = out.hidden_states  # tuple of (B, Q, D), embeddings first, last one normed
-            hidden = torch.cat([hs[i] for i in layers], dim=-1)  # (B, Q, L*D)
-        logits = out.logits.float() if keep_logits else out.logits.new_zeros(tokens.shape[0], 0, self.vocab_size)
+            hidden = torch.cat([hs[i].to(self.device) for i in layers], dim=-1)  # (B, Q, L*D)
+        logits = out.logits.float().to(self.device) if keep_logits else out.logits.new_zeros(tokens.shape[0], 0, self.vocab_size)
         return BlockOutput(logits=logits, hidden=hidden)
 
     @torch.no_grad()

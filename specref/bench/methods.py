@@ -120,14 +120,17 @@ def _as_assistant(draft, token_map, vocab_size: int, k: int):
 class Method:
     name: str
     label: str
-    run: Callable  # (ids (1, T), max_len, seed, n=max_new_tokens) -> record dict
+    run: Callable  # (ids (B, T), max_len, seed, n=max_new_tokens, mask=None (B, T)) -> record dict
     k: Optional[int] = None
     specref: bool = True
 
 
 def _spec_record(out) -> dict:
+    """tokens: row 0's (batch 1); rows: every row's; idle: row-steps spent on finished rows."""
     s = out.stats
-    return dict(tokens=out.row(0), wall=s.wall_time, forwards=s.num_row_steps, drafts=s.num_drafts,
+    B = out.tokens.shape[0]
+    return dict(tokens=out.row(0), rows=[out.row(b) for b in range(B)], wall=s.wall_time,
+                idle=1.0 - s.num_row_steps / max(s.target_forwards * B, 1), forwards=s.num_row_steps, drafts=s.num_drafts,
                 drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
                 acc_pos=list(s.accepted_per_position), drafted_pos=list(s.drafted_per_position),
                 draft_time=s.draft_time, verify_time=s.verify_time, prefill_time=s.prefill_time)
@@ -159,27 +162,29 @@ def build_methods(cfg, model, eos, target) -> tuple:
         return ngram[0]
 
     def spec(make_proposer):
-        return lambda ids, max_len, seed, n=N: _spec_record(speculative_generate(
-            target, make_proposer(), ids, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n}))
+        return lambda ids, max_len, seed, n=N, mask=None: _spec_record(speculative_generate(
+            target, make_proposer(), ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n}))
 
     def hf(extra, counter):
-        def run(ids, max_len, seed, n=N):
+        def run(ids, max_len, seed, n=N, mask=None):
             torch.manual_seed(seed)
             sample = dict(do_sample=True, temperature=T, top_k=0, top_p=1.0) if T > 0 else dict(do_sample=False)
             hook = model.register_forward_hook(lambda *a: counter.__setitem__(0, counter[0] + 1))
             counter[0] = 0
             try:
                 t0 = time.perf_counter()
-                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                am = torch.ones_like(ids) if mask is None else mask  # (B, T) left padding for B > 1
+                seq = model.generate(ids, attention_mask=am, max_new_tokens=n,
                                      eos_token_id=eos, pad_token_id=min(eos_ids, default=0), **sample, **extra)
                 device_sync(dev)
                 wall = time.perf_counter() - t0
             finally:
                 hook.remove()
-            toks = seq[0, ids.shape[1]:].tolist()
-            stops = [i for i, t in enumerate(toks) if t in eos_ids]
-            toks = toks[: stops[0] + 1] if stops else toks  # (batch 1: nothing follows the eos)
-            return dict(tokens=toks, wall=wall, forwards=counter[0])
+            rows = []
+            for toks in seq[:, ids.shape[1]:].tolist():
+                stops = [i for i, t in enumerate(toks) if t in eos_ids]
+                rows.append(toks[: stops[0] + 1] if stops else toks)  # up to the row's first eos
+            return dict(tokens=rows[0], rows=rows, wall=wall, forwards=counter[0])
         return run
 
     for name in cfg.methods:
@@ -256,8 +261,8 @@ def build_methods(cfg, model, eos, target) -> tuple:
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
-    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed, n=N: _spec_record(
-        autoregressive_generate(target, ids, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})))
+    base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed, n=N, mask=None: _spec_record(
+        autoregressive_generate(target, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})))
     return [base] + methods, skipped
 
 

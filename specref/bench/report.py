@@ -160,11 +160,11 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def splice(md_path: Path, section: str) -> None:
-    """Replace the START..END section of md_path (or append it); other sections stay untouched."""
+def splice(md_path: Path, section: str, start: str = START, end: str = END) -> None:
+    """Replace the start..end section of md_path (or append it); other sections stay untouched."""
     text = md_path.read_text(encoding="utf-8") if md_path.exists() else "# Benchmarks\n"
-    if START in text and END in text and text.index(START) < text.index(END):
-        text = text[: text.index(START)] + section + text[text.index(END) + len(END):]
+    if start in text and end in text and text.index(start) < text.index(end):
+        text = text[: text.index(start)] + section + text[text.index(end) + len(end):]
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     tmp = md_path.with_suffix(md_path.suffix + ".tmp")

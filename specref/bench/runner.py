@@ -27,7 +27,8 @@ mixed with the fraction f of steps that drafted at all: ((1-f) + f E) / ((1-f) +
 v = the method's verify forward / one `ar` forward (what the closed form leaves out); peak memory
 (RSS high-water mark per call on CPU, torch.cuda.max_memory_allocated on CUDA); and whether the
 greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
-Left out: batch > 1, second turns, methods not yet in specref (Medusa, EAGLE-2/3, MTP).
+Batch > 1: `--batch-size 1 4 16` (bench/batch.py). Left out: second turns, methods not yet in specref
+(Medusa, EAGLE-2/3, MTP).
 """
 from __future__ import annotations
 
@@ -259,6 +260,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"),
                     help="Markdown file whose bench section is replaced ('none': skip)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                    help="batch sizes, e.g. 1 4 16: total throughput per method at each (bench/batch.py); "
+                         "writes <out>/batch/batch.json and the batch section of the Markdown file")
     a = ap.parse_args(argv)
     if a.questions == "all":
         per = None
@@ -288,6 +292,21 @@ def bench_main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
     command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)
+    sizes = a.batch_size
+    if any(b < 1 for b in sizes) or sorted(set(sizes)) != list(sizes):
+        raise ValueError(f"--batch-size must be increasing ints >= 1, got {sizes}")
+    if sizes != [1]:
+        from .batch import run_batch_bench, write_batch_outputs
+
+        qs = load_questions(find_question_file(cfg.question_file), cfg.categories, cfg.questions)
+        with torch.inference_mode():
+            result = run_batch_bench(cfg, sizes, qs, command.strip())
+        md = None if a.markdown == "none" else Path(a.markdown)
+        print(write_batch_outputs(result, Path(a.out) / "batch", md))
+        bad = [(B, n) for B, per in result["rows"].items() for n, r in per.items() if r["identical"] is False]
+        if bad:
+            print(f"greedy output differs from the baseline for {bad}", file=sys.stderr)
+        return 1 if bad else 0
     with torch.inference_mode():
         result = run_bench(cfg, command.strip())
     md = None if a.markdown == "none" else Path(a.markdown)

@@ -40,7 +40,9 @@ def train_main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... or auto: each process's device under "
+                    "`accelerate launch --num_processes N -m specref train ...` (GPUs) or `ACCELERATE_USE_CPU=1 "
+                    "torchrun --nproc_per_node N -m specref train ...` (CPU processes): data-parallel training")
     ap.add_argument("--export", default=None, help="also write the trained draft to this .safetensors path")
     ap.add_argument("--eval", action="store_true", help="measure tau and speed-up on Spec-Bench afterwards")
     ap.add_argument("--eval-per-category", type=int, default=2)

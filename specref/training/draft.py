@@ -30,7 +30,7 @@ import torch
 
 from ..draft_model import build_draft, save_draft
 from .data import Batch, Seq, teacher_topk
-from .loop import distilled_run, fit, split_heldout
+from .loop import distilled_run, fit, is_main_process, split_heldout
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,8 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
     task = DraftDistillTask(draft, token_map, V, draft_cfg.loss, target=target,
                             topk=manifest["settings"]["topk"] or 32)
     result = fit(task, train, held, train_cfg, out_dir=out)
+    if not is_main_process():  # data-parallel runs: the main process writes the files
+        return 0
     final = result.history[-1] if result.history else {}
     record = {"data": {k2: manifest[k2] for k2 in ("counts", "settings", "model_fingerprint")},
               "train": asdict(train_cfg), "draft": asdict(draft_cfg), "train_seconds": result.seconds,

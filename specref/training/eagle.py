@@ -29,7 +29,7 @@ from ..eagle_head import EagleHead, save_eagle
 from ..target import additive_mask
 from .data import Batch, Seq
 from .draft import build_token_map
-from .loop import distilled_run, fit, split_heldout
+from .loop import distilled_run, fit, is_main_process, split_heldout
 
 
 @dataclass(frozen=True)
@@ -194,14 +194,20 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
     fp = f"{manifest['model_fingerprint']}:{len(seqs)}:{train_cfg.max_len}"
     feat_path = out / "features.safetensors"
     t0 = time.perf_counter()
-    if not load_features(feat_path, seqs, fp):
-        attach_features(target, seqs, max_len=train_cfg.max_len)
-        save_features(feat_path, seqs, fp)
+    from accelerate import PartialState
+
+    with PartialState().main_process_first():  # data-parallel: the main process computes and caches them
+        if not load_features(feat_path, seqs, fp):
+            attach_features(target, seqs, max_len=train_cfg.max_len)
+            if is_main_process():
+                save_features(feat_path, seqs, fp)
     t_data += time.perf_counter() - t0
     train, held = split_heldout(seqs, eagle_cfg.heldout_fraction, train_cfg.seed)
     V = target.get_output_embeddings().weight.shape[0]
     head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), train, held, train_cfg, out_dir=out)
+    if not is_main_process():  # data-parallel runs: the main process writes the files
+        return 0
     final = result.history[-1] if result.history else {}
     record = {"data": {k: manifest[k] for k in ("counts", "settings", "model_fingerprint")},
               "train": asdict(train_cfg), "eagle": asdict(eagle_cfg), "train_seconds": result.seconds,

@@ -11,8 +11,10 @@ step, history; never pickle) written atomically, and exact resumption: the data 
 batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
 
 `python -m specref train` (training/cli.py): self-distilled data (training/data.py), then the
-reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default model. Left out: mixed precision,
-gradient accumulation, multi-device training.
+reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default
+model. Data-parallel across processes and GPUs through accelerate (`fit`'s docstring):
+`accelerate launch --num_processes N -m specref train --device auto ...`.
+Left out: mixed precision, gradient accumulation, model-parallel training.
 """
 from __future__ import annotations
 
@@ -174,7 +176,14 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
         out_dir=None, progress: bool = True, log=print, stop_after: Optional[int] = None) -> TrainResult:
     """Train task's parameters on `train`, evaluating on `heldout`; resumes from out_dir's checkpoint.
 
-    stop_after: leave (after checkpointing) once this step is reached; a later call resumes."""
+    stop_after: leave (after checkpointing) once this step is reached; a later call resumes.
+    Data-parallel through accelerate: under `accelerate launch --num_processes N ...` (any number of
+    CPU processes or GPUs) process r trains on sequences r, r+N, ... of every step's batch, each
+    process's loss is weighted by its share of the batch's loss positions and the gradients are
+    summed across processes, so every process takes the same AdamW step as one process on the
+    whole batch (exactly, up to float rounding, for tasks whose loss is a mean over the loss
+    positions; the draft's is). The main process alone evaluates, logs and checkpoints. One process
+    (plain `python -m specref train`): the loop of before, bit for bit."""
     from tqdm.auto import tqdm
 
     if not train:
@@ -185,6 +194,12 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
     opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     dev = named[0][1].device
+    state = _processes(dev)
+    world, rank, main = state.num_processes, state.process_index, state.is_main_process
+    if cfg.batch_size < world:
+        raise ValueError(f"batch_size {cfg.batch_size} < {world} processes: every process needs a sequence")
+    if not main:
+        progress, log = False, (lambda *a, **k: None)
     step, history, t_start = 0, [], time.perf_counter()
     ckpt = Path(out_dir) / CHECKPOINT if out_dir is not None else None
     if ckpt is not None:
@@ -195,6 +210,8 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
     elapsed0 = history[-1]["seconds"] if history else 0.0
 
     def record(s: int, train_loss: Optional[float]) -> None:
+        if not main:
+            return
         row = {"step": s, "lr": lr_at(min(s, max(cfg.steps - 1, 0)), cfg), "train_loss": train_loss,
                **{f"heldout_{k}": v for k, v in evaluate(task, heldout, cfg).items()},
                "seconds": elapsed0 + time.perf_counter() - t_start}
@@ -214,10 +231,19 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
             group["lr"] = lr_at(step, cfg)
         if step // nb != epoch:
             epoch, batches = step // nb, epoch_batches(lengths, step // nb, cfg)
-        batch = collate([train[i] for i in batches[step % nb]], cfg.max_len).to(dev)
+        mine = batches[step % nb][rank::world]  # this process's share of the step's batch
+        batch = collate([train[i] for i in mine], cfg.max_len).to(dev)
         loss = task.loss(batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if world == 1:
+            loss.backward()
+        else:  # weight = share of the loss positions; gradients summed = the whole batch's gradient
+            n = batch.loss_mask.sum().float()
+            weight = n / state_sum(state, n.clone())
+            (loss * weight).backward()
+            for _, p in named:
+                p.grad = state_sum(state, p.grad if p.grad is not None else torch.zeros_like(p))
+            loss = state_sum(state, (loss * weight).detach())
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip)
         opt.step()
@@ -228,10 +254,34 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
         if heldout and (step % cfg.eval_every == 0 or step == cfg.steps):
             record(step, sum(running) / len(running))
             running = []
-        if ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end):
+        if main and ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end):
             save_checkpoint(ckpt, task, opt, step, history, cfg)
     bar.close()
+    state.wait_for_everyone()
     return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start)
+
+
+def _processes(dev: torch.device):
+    """accelerate's process state (one process unless launched with `accelerate launch`)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=dev.type == "cpu")
+
+
+def is_main_process() -> bool:
+    """True in the process that writes files (the only one without `accelerate launch` / torchrun)."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def state_sum(state, x: torch.Tensor) -> torch.Tensor:
+    """x summed over every process (all-reduce); x itself with one process."""
+    if state.num_processes == 1:
+        return x
+    from accelerate.utils import reduce
+
+    return reduce(x, reduction="sum")
 
 
 def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List[Seq], List[Seq]]:
@@ -252,10 +302,13 @@ def distilled_run(data_cfg, out, data, device, default_name: str):
     out = Path(out) if out else cache_root() / "train" / default_name
     data = Path(data) if data else out / "data"
     out.mkdir(parents=True, exist_ok=True)
+    state = _processes(torch.device("cpu" if device == "cpu" else "cuda"))
+    device = state.device if device == "auto" else device  # accelerate launch: each process its own
     target, tok = load_default(device=device)
     for q in target.parameters():
         q.requires_grad_(False)
     t0 = time.perf_counter()
-    manifest = distill(target, tok, data, data_cfg)
+    with state.main_process_first():  # the main process makes the data; the others then find it done
+        manifest = distill(target, tok, data, data_cfg)
     return out, target, tok, manifest, list(iter_sequences(data)), time.perf_counter() - t0
 

@@ -84,3 +84,27 @@ def test_bad_arguments(qfile):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--methods", "medusa9"])
     with pytest.raises(ValueError, match="--questions"):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "zero"])
+
+
+def test_batch_bench_end_to_end(qfile, tmp_path):
+    # batch sizes 1, 2 and 4 over 4 ragged prompts: every specref method reproduces the baseline's
+    # rows at every batch size; the batch-1-only transformers methods are skipped for B > 1
+    out, md = tmp_path / "out", tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n" + OTHER, encoding="utf-8")
+    rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "all",
+                     "--methods", "ar", "hf", "ngram", "draft", "hf_pld", "--batch-size", "1", "2", "4",
+                     "--max-new-tokens", "12", "--out", str(out), "--markdown", str(md), "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "batch" / "batch.json").read_text())
+    assert list(res["rows"]) == ["1", "2", "4"]
+    assert "hf_pld" in res["rows"]["1"] and "hf_pld" not in res["rows"]["4"]
+    for B, per in res["rows"].items():
+        assert per["ar"]["speedup"] == 1.0 and per["ar"]["tokens"] == 4 * 12
+        for name in ("ngram", "draft"):
+            assert per[name]["identical"] is True, (B, name)
+            assert per[name]["tokens"] == per["ar"]["tokens"]
+        assert 0.0 <= per["ar"]["idle"] < 1.0
+    text = md.read_text()
+    assert OTHER in text and "## Batch size" in text and "| 4 | specref n-gram" in text
+    with pytest.raises(ValueError, match="batch-size"):
+        bench_main(["--model", "tiny", "--question-file", str(qfile), "--batch-size", "4", "2"])

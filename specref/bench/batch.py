@@ -1,0 +1,128 @@
+"""`python -m specref bench --batch-size 1 4 16`: total throughput of every method at batch B.
+
+Speculative decoding spends spare compute (the k+1-token verify block costs little more than one
+token while a forward is bound by reading the weights; Leviathan et al. 2023, Sec. 3.4) to save
+sequential target forwards. Batching spends the same spare compute on more rows, so the gain of
+speculation shrinks as the batch grows; here that is measured, not asserted. Setup: the chosen
+Spec-Bench questions (first turn, chat template) in file order, cut into batches of B, left-padded
+(ragged prompts); every method on the same batch before the next batch (order rotating), after a
+warm-up at each B; per (B, method): total tokens / total wall time, and its ratio to specref's
+`autoregressive_generate` at the same B (and at B = 1). A batch runs until its last row ends:
+the fraction of row-steps spent on rows that had already finished is reported as "idle".
+transformers' assisted generation and prompt lookup run at batch 1 only (its own restriction), so
+they are skipped for B > 1. The adaptive proposers keep the costs measured once at B = 1.
+Left out: compacting finished rows out of the batch (the idle column says what it would save).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from ..target import Target, TargetConfig
+from .methods import build_methods, load_model
+from .report import splice
+
+BATCH_ONLY_1 = ("hf_pld", "hf_assist")
+START, END = "<!-- bench-batch:start -->", "<!-- bench-batch:end -->"
+
+
+def _batches(prompts: List[List[int]], B: int, device) -> List[tuple]:
+    """(ids (b, T) left-padded with 0, mask (b, T)) for consecutive groups of B prompts."""
+    out = []
+    for i in range(0, len(prompts), B):
+        rows = prompts[i:i + B]
+        T = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)  # (b, T)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)  # (b, T)
+        for j, r in enumerate(rows):
+            ids[j, T - len(r):] = torch.tensor(r)
+            mask[j, T - len(r):] = 1
+        out.append((ids.to(device), mask.to(device)))
+    return out
+
+
+def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str = "") -> dict:
+    """Every method of cfg.methods at each batch size; returns the JSON-able result."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    model, encode, eos, name = load_model(cfg)
+    target = Target(model, TargetConfig(compile=cfg.compile))
+    methods, skipped = build_methods(cfg, model, eos, target)
+    prompts = [encode(q["turns"][0]) for q in questions]
+    slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
+    rows: Dict[int, Dict[str, dict]] = {}
+    bar = tqdm(total=sum(len(range(0, len(prompts), B)) for B in sizes) * len(methods), desc="batch bench",
+               disable=not cfg.progress)
+    for B in sizes:
+        todo = [m for m in methods if B == 1 or m.name not in BATCH_ONLY_1]
+        batches = _batches(prompts, B, model.device)
+        w_ids, w_mask = batches[0]
+        for m in todo:  # warm-up at this batch size, untimed
+            m.run(w_ids, w_ids.shape[1] + slack, cfg.seed, min(16, cfg.max_new_tokens), mask=w_mask)
+        acc = {m.name: dict(tokens=0, wall=0.0, rows=[], idle=[]) for m in todo}
+        for i, (ids, mask) in enumerate(batches):
+            r = i % len(todo)
+            for m in todo[r:] + todo[:r]:
+                rec = m.run(ids, ids.shape[1] + slack, cfg.seed + i, mask=mask)
+                a = acc[m.name]
+                a["tokens"] += sum(len(x) for x in rec["rows"])
+                a["wall"] += rec["wall"]
+                a["rows"] += rec["rows"]
+                a["idle"].append(rec.get("idle"))
+                bar.update(1)
+        base = acc["ar"]
+        rows[B] = {}
+        for m in todo:
+            a = acc[m.name]
+            idle = [x for x in a["idle"] if x is not None]
+            rows[B][m.name] = dict(
+                label=m.label, tokens=a["tokens"], wall=a["wall"], tok_s=a["tokens"] / max(a["wall"], 1e-9),
+                idle=sum(idle) / len(idle) if idle else None,
+                identical=(a["rows"] == base["rows"]) if (m.specref and cfg.temperature == 0) else None)
+    bar.close()
+    ar1 = rows[sizes[0]]["ar"]["tok_s"] if sizes[0] == 1 else None
+    for B, per in rows.items():
+        for rec in per.values():
+            rec["speedup"] = rec["tok_s"] / per["ar"]["tok_s"]
+            rec["vs_ar_b1"] = None if ar1 is None else rec["tok_s"] / ar1
+    meta = dict(command=command, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), model=name, sizes=sizes,
+                questions=len(questions), max_new_tokens=cfg.max_new_tokens, skipped=skipped,
+                threads=torch.get_num_threads(), duration_s=time.perf_counter() - t0,
+                load_avg=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+    return dict(meta=meta, rows={str(B): per for B, per in rows.items()})
+
+
+def batch_markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [START, "## Batch size (throughput of every method at batch B)", "",
+             f"`{m['command']}` ({m['date']}; {m['model']}; {m['questions']} questions, {m['max_new_tokens']} new "
+             f"tokens, batches of B in file order, left-padded; {m['threads']} threads; {m['duration_s'] / 60:.1f} "
+             f"min). Speed-up: total tokens/s over specref autoregressive at the same B; 'vs ar B=1': over "
+             "autoregressive at batch 1; idle: row-steps spent on rows that had already finished.", "",
+             "| B | method | tokens/s | speed-up | vs ar B=1 | idle | greedy identical |", "|---|---|---|---|---|---|---|"]
+    for B, per in result["rows"].items():
+        for rec in per.values():
+            idle = "-" if rec["idle"] is None else f"{rec['idle']:.2f}"
+            ident = "-" if rec["identical"] is None else ("yes" if rec["identical"] else "NO")
+            vs1 = "-" if rec["vs_ar_b1"] is None else f"{rec['vs_ar_b1']:.2f}x"
+            lines.append(f"| {B} | {rec['label']} | {rec['tok_s']:.1f} | {rec['speedup']:.2f}x | {vs1} | {idle} | {ident} |")
+    if m["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
+    lines += ["", "transformers' assisted generation and prompt lookup run at batch 1 only.", END]
+    return "\n".join(lines)
+
+
+def write_batch_outputs(result: dict, out_dir: Path, md_path) -> str:
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "batch.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    md = batch_markdown(result)
+    if md_path is not None:
+        splice(Path(md_path), md, START, END)
+    return md
