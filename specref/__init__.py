@@ -18,8 +18,8 @@ from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
 from .ngram import NgramConfig, NgramProposer, propose_ngram
-from .oracle import (Report, check_generator, check_rejection_sampler, chi_square_gof, chi_square_two_sample,
-                     detectable_tv, joint_index, samples_for_tv, tv_distance)
+from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
+                     chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance)
 from .proposer import Context, Draft, Proposer
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
@@ -41,8 +41,9 @@ __all__ = [  # sorted
     "EagleHead", "EagleProposer", "GREEDY", "GenerationOutput", "GenerationStats", "HybridConfig",
     "HybridProposer", "LookaheadConfig", "LookaheadProposer", "NgramConfig", "NgramProposer",
     "NullProposer", "Proposer", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
-    "TreeResult", "autoregressive_generate", "check_generator", "check_rejection_sampler",
-    "chi_square_gof", "chi_square_two_sample", "detectable_tv", "expected_tokens", "joint_index",
+    "TreeResult", "autoregressive_generate", "check_generator", "check_greedy_verifier",
+    "check_rejection_sampler", "check_tree_sampler", "chi_square_gof", "chi_square_two_sample",
+    "detectable_tv", "expected_tokens", "joint_index",
     "load_default", "load_eagle", "load_trained_draft", "logits_to_probs", "make_generators",
     "measure_cost", "measure_verify_cost", "optimal_k", "propose_ngram", "samples_for_tv",
     "speculative_generate", "speedup", "truncated_draft", "tv_distance", "verify_chain",

@@ -14,24 +14,26 @@ few "variants" (p, q, length) interleaved in one batch, so cross-row leaks also 
 Bonferroni-corrected; two looks (1/8 of the samples, then all) at alpha/2 each stop a clear failure
 early. Plus structural checks: accepted tokens equal the drafts, -1 padding, counts in range.
 
-Left out: tree verification, whole decoders (check_generator: see the report of issue 6), typical
-acceptance. The standard cases live in cases.py, the mutants and the worked transformers example in
-selftest.py, the command line in cli.py.
+A sampler's malformed output (None, a wrong shape or count, an exception) fails the check with a
+structural error naming the case; it never crashes the check. per_row_generators=True passes one
+torch.Generator per row (a list; the plain convention gets row b's) instead of one for the batch.
+
+Left out: whole decoders (check_generator: see the report of issue 6), typical acceptance. Trees:
+tree_check.py. The standard cases live in cases.py, the mutants and the worked transformers example
+in selftest.py, the command line in cli.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from .adapters import APIS, Malformed, adapt, check_args  # noqa: F401 (adapt, APIS re-exported)
 from .cases import Case, Variant, standard_cases
 from .stats import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
-
-APIS = ("specref", "vllm", "plain")
-
 
 @dataclass(frozen=True)
 class TestResult:
@@ -63,6 +65,9 @@ class Report:
 
     def summary(self, top: int = 5) -> str:
         fails = sorted(self.failures, key=lambda t: t.p_value)
+        if not self.tests and self.alpha == 0.0:  # an exact check (check_greedy_verifier)
+            return "\n".join([f"verdict: {'PASS' if self.passed else 'FAIL'} (exact comparison, {self.samples} rows)"]
+                             + [f"error: {e}" for e in self.errors[:top]])
         lines = [
             f"verdict: {'PASS' if self.passed else 'FAIL'} (alpha {self.alpha:g}, per-test {self.threshold:.2e}, "
             f"{len(self.tests)} tests, {self.samples} samples{', stopped early' if self.stopped_early else ''})",
@@ -75,53 +80,6 @@ class Report:
             lines.append(f"{'FAIL' if t in fails else 'min p'} {t.name}: p={t.p_value:.3g} chi2={t.statistic:.1f} "
                          f"dof={t.dof} n={t.n} TV={t.tv.tv:.4f} [{t.tv.lower:.4f}, {t.tv.upper:.4f}] | {cells}")
         return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- adapters: everything -> (tokens, num_accepted)
-def adapt(fn: Callable, api: str) -> Callable:
-    """Wrap `fn` so that it is called as f(draft (B,K), p (B,K+1,V), q (B,K,V)|None, lengths (B,), generator)
-    and returns (tokens (B, K+1) -1 padded, num_accepted (B,)). Conventions:
-    - specref: fn(draft_tokens, p, q, *, lengths, generator) -> obj with .tokens/.num_accepted or a tuple;
-    - vllm: fn(draft_token_ids (T,), num_draft_tokens (B,) list, draft_probs (T, V)|None,
-      target_logits (T + B, V), generator) -> (B, max_k + 1) -1 padded; each request's rows of
-      target_logits are consecutive: its drafts' rows then its bonus row; logits = log p (temperature 1);
-    - plain: fn(p (L+1, V), q (L, V)|None, draft (L,), generator) -> emitted tokens (a+1,), one row a call.
-    """
-    if api == "specref":
-        def call(draft, p, q, lengths, gen):
-            out = fn(draft, p, q, lengths=lengths, generator=gen)
-            toks, acc = (out.tokens, out.num_accepted) if hasattr(out, "tokens") else (out[0], out[1])
-            return toks, acc
-    elif api == "vllm":
-        def call(draft, p, q, lengths, gen):
-            B, K = draft.shape
-            pos = torch.arange(K + 1, device=draft.device)  # (K+1,)
-            has_draft = pos[:K] < lengths[:, None]  # (B, K)
-            has_row = pos < lengths[:, None] + 1  # (B, K+1)
-            logits = torch.log(p[has_row])  # (T + B, V), -inf where p = 0
-            out = fn(draft[has_draft], lengths.tolist(), None if q is None else q[has_draft], logits, gen)
-            out = torch.as_tensor(out).reshape(B, -1)  # (B, max_k + 1)
-            toks = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
-            toks[:, : out.shape[1]] = out[:, : K + 1].cpu()
-            return toks, (toks != -1).sum(1) - 1
-    elif api == "plain":
-        def call(draft, p, q, lengths, gen):
-            B, K = draft.shape
-            toks = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # one tiny row per call: intra-op threads only add overhead
-            try:
-                for b in range(B):  # the plain convention is one row per call
-                    L = int(lengths[b])
-                    y = torch.as_tensor(fn(p[b, : L + 1], None if q is None else q[b, :L], draft[b, :L], gen))
-                    y = y.reshape(-1)[: K + 1].cpu()  # (a+1,)
-                    toks[b, : y.numel()] = y
-            finally:
-                torch.set_num_threads(threads)
-            return toks, (toks != -1).sum(1) - 1
-    else:
-        raise ValueError(f"api must be one of {APIS}, got {api!r}")
-    return call
 
 
 # ---------------------------------------------------------------- exact distributions of one variant
@@ -248,13 +206,10 @@ def _draw_rows(case: Case, start: int, stop: int, gen: torch.Generator, device):
 
 def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Sequence[Case]] = None,
                             samples: int = 50_000, alpha: float = 1e-3, seed: int = 0, early_stop: bool = True,
-                            max_joint_cells: int = 4096, device="cpu") -> Report:
+                            max_joint_cells: int = 4096, per_row_generators: bool = False, device="cpu") -> Report:
     """Run `fn` (see `adapt` for the calling conventions) on `samples` rows per variant of each case
     (default: cases.standard_cases()) and test the output against the exact distribution."""
-    if samples < 8:
-        raise ValueError(f"samples must be >= 8 (rows per variant), got {samples}")
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    check_args(samples, seed, alpha)
     call = adapt(fn, api)
     if cases is None:
         cases = standard_cases()
@@ -262,6 +217,7 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
     m = sum(_num_tests(v) for c in cases for v in c.variants)
     threshold = alpha / len(looks) / m
     store = [[[], [], []] for _ in cases]  # per case: tokens, num_accepted, drafts chunks
+    broken = {}  # case -> its structural error (the case is not analysed further)
     done = 0
     for li, rows in enumerate(looks):
         errors, tests, firsts, total = [], [], [], 0
@@ -269,19 +225,34 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
             nv = len(case.variants)
             chunk = max(nv, (2**22 // ((case.k + 1) * case.vocab)) // nv * nv)
             for start in range(done * nv, rows * nv, chunk):
+                if ci in broken:
+                    break
                 stop = min(rows * nv, start + chunk)
                 s0, s1 = np.random.SeedSequence([seed, ci, start]).generate_state(2)
                 gen = torch.Generator().manual_seed(int(s0))
                 _, draft, P, Q, lengths = _draw_rows(case, start, stop, gen, device)
-                with torch.random.fork_rng(devices=[]):
-                    torch.default_generator.manual_seed(int(s1))  # for samplers that use the global CPU RNG
-                    toks, acc = call(draft, P, Q, lengths, gen)
-                toks = torch.as_tensor(toks).cpu().long()
-                if toks.shape != (stop - start, case.k + 1):
-                    raise ValueError(f"sampler returned tokens of shape {tuple(toks.shape)}, expected {(stop - start, case.k + 1)}")
+                if per_row_generators:  # one generator per row, seeded independently
+                    gen = [torch.Generator().manual_seed(int(s)) for s in
+                           np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
+                try:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.default_generator.manual_seed(int(s1))  # for samplers that use the global CPU RNG
+                        toks, acc = call(draft, P, Q, lengths, gen)
+                    if toks.shape != (stop - start, case.k + 1) or acc.shape != (stop - start,):
+                        raise Malformed(f"tokens of shape {tuple(toks.shape)} and num_accepted of shape {tuple(acc.shape)}, "
+                                        f"expected {(stop - start, case.k + 1)} and {(stop - start,)}")
+                except Malformed as e:
+                    broken[ci] = f"{case.name}: malformed output: {e}"
+                    break
+                except Exception as e:  # the sampler crashed on this case
+                    broken[ci] = f"{case.name}: the sampler raised {type(e).__name__}: {e}"
+                    break
                 store[ci][0].append(toks.numpy())
-                store[ci][1].append(torch.as_tensor(acc).cpu().long().reshape(-1).numpy())
+                store[ci][1].append(acc.numpy())
                 store[ci][2].append(draft.cpu().numpy())
+            if ci in broken:
+                errors.append(broken[ci])
+                continue
             T, A, D = (np.concatenate(s) for s in store[ci])
             vid = np.arange(T.shape[0]) % nv  # (rows * nv,)
             total += T.shape[0]

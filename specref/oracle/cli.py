@@ -1,11 +1,13 @@
-"""`python -m specref oracle`: check a rejection sampler (module:function) or self-test the oracle."""
+"""`python -m specref oracle`: check a chain or tree verifier (module:function), or self-test the oracle."""
 from __future__ import annotations
 
 import argparse
 import importlib
 from typing import Callable, List, Optional
 
-from .check import APIS, check_rejection_sampler
+from .adapters import APIS
+from .check import check_rejection_sampler
+from .tree_adapters import TREE_APIS
 
 
 def _load(spec: str) -> Callable:
@@ -16,26 +18,54 @@ def _load(spec: str) -> Callable:
 
 
 def oracle_main(argv: Optional[List[str]] = None) -> int:
-    """`python -m specref oracle --sampler module:function --api vllm|specref|plain` or `--self-test`."""
+    """`python -m specref oracle --sampler module:function [--tree | --greedy] --api ...` or `--self-test [--tree]`."""
     ap = argparse.ArgumentParser(prog="python -m specref oracle", description=__doc__.split("\n")[0])
-    ap.add_argument("--sampler", help="module:function of the rejection sampler to check")
-    ap.add_argument("--api", choices=APIS, default="specref", help="its calling convention (see specref.oracle.check.adapt)")
+    ap.add_argument("--sampler", help="module:function of the verifier to check")
+    ap.add_argument("--tree", action="store_true", help="a tree sampler (check_tree_sampler); with --self-test: the tree self-test")
+    ap.add_argument("--greedy", action="store_true", help="a greedy tree verifier (check_greedy_verifier, exact)")
+    ap.add_argument("--api", default="specref", help=f"calling convention: chain {APIS}, tree/greedy {TREE_APIS} "
+                    "(see specref.oracle.adapters.adapt and specref.oracle.tree_adapters)")
+    ap.add_argument("--siblings", choices=("iid", "without"), default="iid",
+                    help="--tree: sampled siblings drawn i.i.d. (SpecInfer) or without replacement (Sequoia)")
     ap.add_argument("--self-test", action="store_true", help="check that the oracle rejects known-wrong samplers")
-    ap.add_argument("--samples", type=int, default=None, help="rows per variant (default 50000; plain API 5000)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="rows per variant (default: chain 50000, tree 20000, greedy 2000; one-row APIs 5000)")
     ap.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance (default 1e-3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--false-alarm-runs", type=int, default=20, help="self-test: repeated correct runs (default 20)")
     args = ap.parse_args(argv)
+    if args.tree and args.greedy:
+        ap.error("give --tree or --greedy, not both")
+    allowed = TREE_APIS if (args.tree or args.greedy) else APIS
+    if args.api not in allowed:
+        ap.error(f"--api must be one of {allowed} here, got {args.api!r}")
     if args.self_test:
-        from .selftest import self_test
+        if args.tree:
+            from .tree_selftest import tree_self_test
 
-        ok, lines = self_test(samples=args.samples or 20_000, alpha=args.alpha, seed=args.seed,
-                              false_alarm_runs=args.false_alarm_runs)
+            ok, lines = tree_self_test(samples=args.samples or 4_000, seed=args.seed, false_alarm_runs=args.false_alarm_runs)
+        else:
+            from .selftest import self_test
+
+            ok, lines = self_test(samples=args.samples or 20_000, alpha=args.alpha, seed=args.seed,
+                                  false_alarm_runs=args.false_alarm_runs)
         print("\n".join(lines))
         return 0 if ok else 1
     if not args.sampler:
         ap.error("give --sampler module:function or --self-test")
-    samples = args.samples or (5_000 if args.api == "plain" else 50_000)
-    report = check_rejection_sampler(_load(args.sampler), api=args.api, samples=samples, alpha=args.alpha, seed=args.seed)
+    fn = _load(args.sampler)
+    one_row = args.api in ("plain", "eagle")
+    if args.greedy:
+        from .tree_greedy import check_greedy_verifier
+
+        report = check_greedy_verifier(fn, api=args.api, samples=args.samples or 2_000, seed=args.seed)
+    elif args.tree:
+        from .tree_check import check_tree_sampler
+
+        report = check_tree_sampler(fn, api=args.api, siblings=args.siblings, samples=args.samples or (5_000 if one_row else 20_000),
+                                    alpha=args.alpha, seed=args.seed)
+    else:
+        report = check_rejection_sampler(fn, api=args.api, samples=args.samples or (5_000 if one_row else 50_000),
+                                         alpha=args.alpha, seed=args.seed)
     print(report.summary())
     return 0 if report.passed else 1

@@ -6,8 +6,8 @@ implements it vectorised with switchable mistakes; each mistake is a bug seen in
 plausible slip. `hf_speculative_sampling` wraps transformers' `_speculative_sampling` (the
 acceptance step of its assisted generation when sampling) in the oracle's plain convention.
 
-Left out: per-row generators in reference_chain (one generator for the batch; specref.rejection
-has them), greedy verification, trees.
+generator: one torch.Generator for the batch or a list of one per row. Trees and greedy
+verification: tree_selftest.py.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ MUTANTS = {  # name: the mistake
 
 
 def reference_chain(draft: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor], *,
-                    lengths: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
+                    lengths: Optional[torch.Tensor] = None, generator=None,
                     mistake: Optional[str] = None):
     """Speculative sampling for B ragged rows; draft (B, K) -1 padded, p (B, K+1, V), q (B, K, V) or None."""
     if mistake is not None and mistake not in MUTANTS:
@@ -42,7 +42,11 @@ def reference_chain(draft: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tens
     lengths = torch.full((B,), K, dtype=torch.long) if lengths is None else lengths.long()  # (B,)
     rows = torch.arange(B)  # (B,)
     nu = 1 if mistake == "shared_uniform" else B
-    u = torch.rand(nu, K + 1, generator=generator, dtype=torch.float64).expand(B, K + 1)  # (B, K+1)
+    if isinstance(generator, (list, tuple)):  # one generator per row: row b draws from generator b alone
+        u = torch.stack([torch.rand(K + 1, generator=g, dtype=torch.float64) for g in generator[:nu]])  # (nu, K+1)
+        u = u.expand(B, K + 1) if nu == 1 else u  # (B, K+1)
+    else:
+        u = torch.rand(nu, K + 1, generator=generator, dtype=torch.float64).expand(B, K + 1)  # (B, K+1)
     x = draft.clamp(min=0)  # (B, K)
     qe = q if q is not None else torch.nn.functional.one_hot(x, V).to(p.dtype)  # (B, K, V)
     px = p[:, :K].gather(-1, x[..., None])[..., 0].double()  # (B, K)

@@ -109,8 +109,48 @@ def test_structural_errors_are_reported():
     for fn, what in ((no_padding, "not -1"), (wrong_accepted, "differ from the drafts")):
         rep = check_rejection_sampler(fn, samples=800, cases=SMALL)
         assert not rep.passed and any(what in e for e in rep.errors), rep.errors
-    with pytest.raises(ValueError, match="shape"):  # drops the bonus column
-        check_rejection_sampler(lambda d, p, q, *, lengths, generator: (d, lengths), samples=8, cases=SMALL)
+    # drops the bonus column: a failed check naming the case, not an exception
+    rep = check_rejection_sampler(lambda d, p, q, *, lengths, generator: (d, lengths), samples=8, cases=SMALL)
+    assert not rep.passed and rep.errors[0].startswith("small: malformed output") and "shape" in rep.errors[0]
+
+
+@pytest.mark.parametrize("api,fn,what", [
+    ("plain", lambda p, q, d, g: None, "not a tensor"),
+    ("plain", lambda p, q, d, g: torch.zeros(d.numel() + 2, dtype=torch.long), "emitted"),
+    ("plain", lambda p, q, d, g: torch.zeros(0, dtype=torch.long), "emitted 0 tokens"),
+    ("vllm", lambda ids, n, dp, lg, g: None, "not a tensor"),
+    ("vllm", lambda ids, n, dp, lg, g: torch.zeros(len(n), max(n) + 3, dtype=torch.long), "shape"),
+    ("vllm", lambda ids, n, dp, lg, g: torch.zeros(len(n) * (max(n) + 1), dtype=torch.float), "integer"),
+    ("specref", lambda d, p, q, *, lengths, generator: None, "ChainResult"),
+    ("specref", lambda d, p, q, *, lengths, generator: 1 / 0, "raised ZeroDivisionError"),
+])
+def test_malformed_output_is_a_failed_check(api, fn, what):
+    # issue 23: every convention turns a malformed output into a structural failure naming the case
+    rep = check_rejection_sampler(fn, api=api, samples=8, cases=SMALL)
+    assert not rep.passed and len(rep.errors) == 2, rep.errors
+    assert rep.errors[0].startswith("small: ") and rep.errors[1].startswith("qnone: ")
+    assert what in rep.errors[0], rep.errors
+
+
+def test_per_row_generators():
+    # one torch.Generator per row (verify_chain's per-row path, batch independence): correct samplers
+    # pass; a sampler whose rows all replay the first row's generator (same uniforms in every row) fails
+    seen = []
+
+    def spy(draft, p, q, *, lengths, generator):
+        seen.append((type(generator), len(generator), len({id(g) for g in generator})))
+        return reference_chain(draft, p, q, lengths=lengths, generator=generator)
+    assert check_rejection_sampler(spy, samples=300, cases=SMALL, per_row_generators=True).passed
+    assert all(t is list and n == k for t, n, k in seen)
+    rejection = pytest.importorskip("specref.rejection")
+    assert check_rejection_sampler(rejection.verify_chain, samples=2_000, seed=5, per_row_generators=True).passed
+    assert check_rejection_sampler(reference_plain, api="plain", samples=200, seed=5, cases=SMALL, per_row_generators=True).passed
+
+    def replayed(draft, p, q, *, lengths, generator):
+        state = generator[0].get_state()
+        gens = [torch.Generator().set_state(state) for _ in generator]  # every row a copy of row 0's stream
+        return rejection.verify_chain(draft, p, q, lengths=lengths, generator=gens)
+    assert not check_rejection_sampler(replayed, samples=300, cases=SMALL, per_row_generators=True).passed
 
 
 def test_exact_distribution_by_hand():
@@ -152,5 +192,9 @@ def test_value_errors():
         check_rejection_sampler(reference_chain, samples=4)
     with pytest.raises(ValueError, match="alpha"):
         check_rejection_sampler(reference_chain, alpha=1.5)
+    for kw, match in ((dict(api="sglang"), "api"), (dict(samples=100.0), "samples"), (dict(samples=True), "samples"),
+                      (dict(seed=-3), "seed"), (dict(seed=1.5), "seed"), (dict(seed=None), "seed")):
+        with pytest.raises(ValueError, match=match):
+            check_rejection_sampler(reference_chain, **kw)
     with pytest.raises(ValueError, match="mistake"):
         reference_chain(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 2, 2) / 2, None, mistake="typo")

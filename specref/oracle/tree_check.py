@@ -1,0 +1,203 @@
+"""The oracle for tree verifiers: is a tree (multi-draft) sampler lossless? Answered with p-values.
+
+SpecInfer's multi-step speculative sampling (Miao et al. 2024; specref.rejection.verify_tree) with
+deterministic, i.i.d. or without-replacement siblings (Sequoia, Chen et al. 2024) has an exact law
+for the outcome of a step, the cell (end node e, path tokens x_1..x_m, final token y), computed in
+closed form by tree_exact.py. The check draws trees from tree_cases.py (drafts ~ q by the check),
+runs the verifier through a calling convention (tree_adapters.py), and tests with chi-square
+(stats.py), Bonferroni over every test of every variant, two looks (1/8 of the samples, then all):
+- first: the first emitted token (distributed as p at the root for any lossless verifier);
+- length: the number of accepted nodes m; node: the end node e (when the tree branches);
+- pos j: the token emitted at position j >= 2, over rows that emitted it;
+- final e: the final token of the rows that end at node e (residual or bonus there);
+- joint: every cell (or, past max_joint_cells, (e, x_m, y), then (e, y)).
+Plus structural checks (a path of the tree, accepted tokens equal the path's, -1 padding, tokens
+in the vocabulary, well-formed output); each alone fails the check and names the case.
+
+Left out: trees larger than depth 4 / V^depth contexts beyond ~10^5 (the exact law is tabulated),
+SpecTr's optimal transport. Greedy verifiers: tree_greedy.check_greedy_verifier.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .adapters import Malformed, check_args
+from .check import Report, TestResult
+from .stats import chi_square_gof, detectable_tv, tv_distance
+from .tree_adapters import adapt_tree, path_errors
+from .tree_cases import TreeCase, depths, draw_tree_rows, standard_tree_cases
+from .tree_exact import exact_cells
+
+SIBLINGS = ("iid", "without")
+
+
+def _keys(V: int, N: int, D: int):
+    """The tests of one variant: (label, kind, key(end, m, x, y) -> category or -1, categories)."""
+    def first(e, m, x, y):
+        return np.where(m >= 1, x[:, 0], y) if D else y
+
+    def pos(j):  # 1-based position j >= 2
+        return lambda e, m, x, y: np.where(m >= j, x[:, min(j - 1, D - 1)], np.where(m == j - 1, y, -1))
+
+    def final(node):
+        return lambda e, m, x, y: np.where(e == node, y, -1)
+
+    keys = [("first", "pos", first, V)]
+    if N == 0:
+        return keys
+    keys.append(("length", "length", lambda e, m, x, y: m, D + 1))
+    if N > D:
+        keys.append(("node", "node", lambda e, m, x, y: e + 1, N + 1))
+    keys += [(f"pos {j}", "pos", pos(j), V) for j in range(2, D + 2)]
+    keys += [(f"final {'root' if node < 0 else f'node {node}'}", "final", final(node), V) for node in range(-1, N)]
+    return keys
+
+
+def _variant_tests(case: TreeCase, vi: int, mode: str, max_cells: int):
+    """The tests of variant vi under mode: (label, kind, key, categories, exact probs per category)."""
+    v, V = case.variants[vi], case.vocab
+    cells = exact_cells(v, V, mode)
+    dep = (0,) + depths(v.parents)
+    N, D, fixed = v.n, max(dep), mode == "fixed"
+    sizes = [V * (1 if fixed else V ** d) for d in dep]  # cells per end node (root first)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    keys = _keys(V, N, D)
+    if N:
+        if sum(sizes) <= max_cells:
+            def joint(e, m, x, y):
+                ctx = np.zeros(e.shape, dtype=np.int64)  # (n,) flat index of the path tokens
+                if not fixed:
+                    for j in range(D):
+                        ctx = np.where(j < m, ctx * V + np.maximum(x[:, j], 0), ctx)
+                return offsets[e + 1] + ctx * V + y
+            keys.append(("joint", "joint", joint, int(sum(sizes))))
+        elif (N + 1) * V * V <= max_cells:
+            last_tok = lambda e, m, x, y: np.where(m > 0, x[np.arange(m.size), np.maximum(m - 1, 0)], 0)
+            keys.append(("joint (end, last, final)", "joint", lambda e, m, x, y: ((e + 1) * V + last_tok(e, m, x, y)) * V + y,
+                         (N + 1) * V * V))
+        else:
+            keys.append(("joint (end, final)", "joint", lambda e, m, x, y: (e + 1) * V + y, (N + 1) * V))
+    tests = []
+    for label, kind, key, size in keys:
+        k = key(cells.end, cells.m, cells.x, cells.y)  # (C,)
+        use = k >= 0
+        probs = np.bincount(k[use], weights=cells.prob[use], minlength=size)  # (size,)
+        if probs.sum() > 1e-12:
+            tests.append((label, kind, key, size, probs / probs.sum()))
+    return tests
+
+
+def _run_tests(name: str, tests, rec, threshold: float):
+    out = []
+    e, m, x, y = rec
+    for label, kind, key, size, probs in tests:
+        k = key(e, m, x, y)  # (n,)
+        k = k[k >= 0]
+        if k.size == 0:
+            continue
+        obs = np.bincount(k, minlength=size).astype(np.float64)  # (size,)
+        g = chi_square_gof(obs, probs)
+        det = detectable_tv(g.n, max(2, g.num_cells_used), alpha=threshold, power=0.95)
+        worst = tuple((f"cell {c.index}", c.expected, c.observed) for c in g.worst_cells)
+        out.append(TestResult(f"{name} {label}", kind, g.p_value, g.statistic, g.dof, g.n, tv_distance(obs, probs), det, worst))
+    return out
+
+
+def _records(path: np.ndarray, last: np.ndarray, tokens: np.ndarray, D: int):
+    """(end, m, x (n, D), y) of valid rows."""
+    n, W = path.shape
+    m = (path >= 0).sum(1)  # (n,)
+    end = np.where(m > 0, path[np.arange(n), np.maximum(m - 1, 0)] if W else -1, -1)  # (n,)
+    x = np.full((n, max(D, 1)), -1, dtype=np.int64)  # (n, D)
+    for j in range(min(W, D)):
+        node = path[:, j]
+        x[:, j] = np.where(node >= 0, tokens[np.arange(n), np.maximum(node, 0)] if tokens.shape[1] else -1, -1)
+    return end, m, x[:, :D] if D else x[:, :0], last
+
+
+def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Sequence[TreeCase]] = None,
+                       siblings: str = "iid", samples: int = 20_000, alpha: float = 1e-3, seed: int = 0,
+                       early_stop: bool = True, max_joint_cells: int = 4096, per_row_generators: bool = False,
+                       device="cpu") -> Report:
+    """Run the tree verifier `fn` (conventions: tree_adapters) on `samples` rows per variant of each
+    case (default standard_tree_cases()); sampled siblings are drawn i.i.d. (siblings="iid", the
+    SpecInfer convention of verify_tree) or without replacement ("without", Sequoia's)."""
+    check_args(samples, seed, alpha)
+    if siblings not in SIBLINGS:
+        raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
+    call = adapt_tree(fn, api)
+    cases = standard_tree_cases() if cases is None else tuple(cases)
+    looks = [max(1, samples // 8), samples] if early_stop else [samples]
+    plan = {}  # (case, variant) -> tests
+    for ci, case in enumerate(cases):
+        for vi, v in enumerate(case.variants):
+            plan[ci, vi] = _variant_tests(case, vi, "fixed" if v.tokens is not None else siblings, max_joint_cells)
+    threshold = alpha / len(looks) / max(1, sum(len(t) for t in plan.values()))
+    store = [[] for _ in cases]  # per case: (vid, path, last, tokens) chunks
+    broken = {}  # case -> structural error (the case is not analysed further)
+    done = 0
+    for li, rows in enumerate(looks):
+        errors, tests, firsts, total = [], [], [], 0
+        for ci, case in enumerate(cases):
+            nv = len(case.variants)
+            chunk = max(nv, (2 ** 21 // ((case.width + 1) * case.vocab)) // nv * nv)
+            for start in range(done * nv, rows * nv, chunk):
+                if ci in broken:
+                    break
+                stop = min(rows * nv, start + chunk)
+                s0, s1, s2 = np.random.SeedSequence([seed, ci, start]).generate_state(3)
+                vid = torch.arange(start, stop) % nv  # (B,)
+                tok, par, lens, P, Q = draw_tree_rows(case, vid, siblings, torch.Generator().manual_seed(int(s0)))
+                gens = ([torch.Generator().manual_seed(int(s)) for s in np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
+                        if per_row_generators else torch.Generator().manual_seed(int(s1)))
+                to = lambda t: None if t is None else t.to(device)
+                try:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.default_generator.manual_seed(int(s2))  # for verifiers that use the global RNG
+                        path, last = call(to(tok), to(par), to(lens), to(P), to(Q), gens)
+                except Malformed as e:
+                    broken[ci] = f"{case.name}: malformed output: {e}"
+                    break
+                except Exception as e:  # the verifier crashed on this case
+                    broken[ci] = f"{case.name}: the verifier raised {type(e).__name__}: {e}"
+                    break
+                store[ci].append((vid.numpy(), path.numpy(), last.numpy(), tok.numpy(), par.numpy(), lens.numpy()))
+            if ci in broken:
+                errors.append(broken[ci])
+                continue
+            vid, path, last, tok, par, lens = _concat(store[ci])
+            bad_path, bad_tok = path_errors(path, last, par, lens, case.vocab)
+            total += vid.size
+            for vi, v in enumerate(case.variants):
+                name = f"{case.name}/{v.label}"
+                sel = vid == vi
+                for mask, what in ((bad_path, "the accepted path is not a root-to-node path of the tree"),
+                                   (bad_tok, f"final token not in [0, {case.vocab})")):
+                    if (mask & sel).any():
+                        r = int(np.flatnonzero(mask & sel)[0])
+                        errors.append(f"{name}: {int((mask & sel).sum())}/{int(sel.sum())} rows: {what} (e.g. parents "
+                                      f"{par[r, :lens[r]].tolist()}, path {path[r].tolist()}, final token {int(last[r])})")
+                ok = sel & ~bad_path & ~bad_tok
+                D = max(depths(v.parents), default=0)
+                rec = _records(path[ok], last[ok], tok[ok], D)
+                t = _run_tests(name, plan[ci, vi], rec, threshold)
+                tests += t
+                firsts += [t[0].detectable_tv] if t else []
+        done = rows
+        passed = not errors and all(t.p_value >= threshold for t in tests)
+        if not passed or li == len(looks) - 1:
+            return Report(passed, alpha, threshold, tuple(tests), tuple(errors), total,
+                          max(firsts) if firsts else math.inf, li < len(looks) - 1)
+    raise AssertionError("unreachable")
+
+
+def _concat(chunks):
+    W = max([c[1].shape[1] for c in chunks] + [0])
+    pad = lambda a: np.pad(a, ((0, 0), (0, W - a.shape[1])), constant_values=-1)
+    vid, path, last, tok, par, lens = zip(*chunks)
+    return (np.concatenate(vid), np.concatenate([pad(a) for a in path]), np.concatenate(last),
+            np.concatenate(tok), np.concatenate(par), np.concatenate(lens))

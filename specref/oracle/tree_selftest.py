@@ -1,0 +1,230 @@
+"""Known-wrong tree verifiers the tree oracle must reject, and references in every convention.
+
+`reference_tree` is SpecInfer's multi-step speculative sampling (Miao et al. 2024), one loop over
+the nodes in index order, vectorised over rows, with i.i.d. (replacement=True) or Sequoia's
+without-replacement siblings (Chen et al. 2024: q loses each rejected token, renormalised), and
+switchable mistakes (TREE_MUTANTS), each a bug seen in the wild or a plausible slip. Greedy mutants
+(GREEDY_MUTANTS) wrap specref's verify_tree_greedy. `tree_self_test` runs them all: every mutant
+must fail, every correct verifier pass, and the false-alarm rate of the reference at alpha 0.2
+must be consistent with alpha over repeated seeds.
+
+Left out: mutants of the eagle/plain adapters themselves (they share the checked core).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from ..rejection import TreeResult, verify_tree, verify_tree_greedy
+from ..sampling import sample_from_probs, uniforms
+from .tree_cases import standard_tree_cases
+from .tree_check import check_tree_sampler
+from .tree_greedy import check_greedy_verifier
+
+TREE_MUTANTS = {  # name: the mistake
+    "no_renorm": "siblings not renormalised after a rejection: the next is tested against the residual's old total",
+    "residual_from_p": "on a rejection the residual is taken from p at the node, not from the running residual",
+    "q_for_deterministic": "deterministic siblings verified as if sampled from a q (a uniform placeholder)",
+    "iid_as_without": "i.i.d. siblings verified as if drawn without replacement (q loses each rejected token)",
+    "bonus_wrong_node": "the bonus after a leaf drawn from p one row off (p[i] instead of p[1 + i])",
+    "final_from_p": "after every child is rejected, the final token drawn from p at the node, not the residual",
+}
+GREEDY_MUTANTS = {
+    "greedy_first_match": "follows the first matching child only (misses a deeper path under a repeated sibling)",
+    "greedy_bonus_at_parent": "the final token is the argmax at the parent of the path's last node",
+}
+
+
+def reference_tree(tokens, parents, p, q=None, *, lengths=None, generator=None, replacement: bool = True,
+                   mistake: Optional[str] = None) -> TreeResult:
+    """Tree verification of B ragged rows: tokens/parents (B, N), p (B, N+1, V), q (B, N, V) or None."""
+    if mistake is not None and mistake not in TREE_MUTANTS:
+        raise ValueError(f"mistake must be one of {sorted(TREE_MUTANTS)} or None, got {mistake!r}")
+    B, N = tokens.shape
+    V = p.shape[-1]
+    lengths = (tokens >= 0).long().cumprod(1).sum(1) if lengths is None else torch.as_tensor(lengths).long()  # (B,)
+    valid = torch.arange(N)[None] < lengths[:, None]  # (B, N)
+    u = uniforms((N + 1,), B, generator, p.device).double()  # (B, N+1)
+    rows = torch.arange(B)  # (B,)
+    P = p.double()
+    cur = torch.full((B,), -1, dtype=torch.long)  # (B,) current node, -1 the root
+    r, mass = P[:, 0].clone(), torch.ones(B, dtype=torch.float64)  # (B, V) residual, unnormalised, its total
+    qcur, fresh = torch.zeros(B, V, dtype=torch.float64), torch.ones(B, dtype=torch.bool)  # without replacement
+    path = torch.full((B, N), -1, dtype=torch.long)  # (B, N)
+    n_acc = torch.zeros(B, dtype=torch.long)  # (B,)
+    for i in range(N):  # nodes in index order: siblings in order, children after their parent
+        cand = valid[:, i] & (parents[:, i] == cur)  # (B,)
+        x = tokens[:, i].clamp(min=0)  # (B,)
+        rx = r[rows, x]  # (B,)
+        p_node = P[rows, 1 + cur]  # (B, V) fresh p at the current node
+        if q is None and mistake != "q_for_deterministic":  # q one-hot: accept with r(x) / mass
+            accept = cand & (u[:, i] * mass < rx)
+            base = p_node if mistake == "residual_from_p" else r
+            nxt = base.scatter(1, x[:, None], 0.0)  # (B, V)
+        else:
+            qi = torch.full((B, V), 1.0 / V, dtype=torch.float64) if q is None else q[:, i].double()  # (B, V)
+            if not replacement or mistake == "iid_as_without":
+                qi = torch.where(fresh[:, None], qi, qcur)  # (B, V) q without the rejected siblings' tokens
+            qx = qi[rows, x]  # (B,)
+            accept = cand & (qx > 0) & (u[:, i] * qx * mass < rx)
+            if mistake == "residual_from_p":
+                nxt = (p_node - qi).clamp(min=0)  # (B, V)
+            else:
+                nxt = (r - mass[:, None] * qi).clamp(min=0)  # (B, V) mass * max(0, r/mass - q)
+            q_wo = qi.scatter(1, x[:, None], 0.0)  # (B, V)
+            q_wo = q_wo / q_wo.sum(1, keepdim=True).clamp(min=1e-300)
+            rej = cand & ~accept
+            qcur = torch.where(rej[:, None], q_wo, qcur)
+            fresh = fresh & ~rej
+        nm = nxt.sum(1)  # (B,)
+        upd = cand & ~accept & (nm > 0)  # an empty residual keeps r (a rejection of probability 0)
+        r = torch.where(upd[:, None], nxt, r)
+        if mistake != "no_renorm":
+            mass = torch.where(upd, nm, mass)
+        path[rows, n_acc.clamp(max=max(N - 1, 0))] = torch.where(accept, i, path[rows, n_acc.clamp(max=max(N - 1, 0))])
+        n_acc += accept.long()
+        cur = torch.where(accept, i, cur)
+        r = torch.where(accept[:, None], P[rows, 1 + cur], r)
+        mass = torch.where(accept, torch.ones_like(mass), mass)
+        fresh = fresh | accept
+    leaf = ~(valid & (parents == cur[:, None])).any(1)  # (B,) the current node has no children
+    if mistake == "final_from_p":
+        r = P[rows, 1 + cur]
+    if mistake == "bonus_wrong_node":
+        r = torch.where((leaf & (cur >= 0))[:, None], P[rows, cur.clamp(min=0)], r)
+    last = sample_from_probs(r.float(), u[rows, lengths].float())  # (B,)
+    out = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1) if N else path  # (B, N)
+    out = torch.cat([out, torch.full((B, 1), -1, dtype=torch.long)], 1)  # (B, N+1)
+    out.scatter_(1, n_acc[:, None], last[:, None])
+    return TreeResult(out, path, n_acc)
+
+
+def tree_mutant(name: str) -> Callable:
+    """reference_tree with one mistake, in the specref convention."""
+    def fn(tokens, parents, p, q, *, lengths=None, generator=None):
+        return reference_tree(tokens, parents, p, q, lengths=lengths, generator=generator, mistake=name)
+    fn.__name__ = f"tree_mutant_{name}"
+    return fn
+
+
+def reference_tree_without(tokens, parents, p, q, *, lengths=None, generator=None):
+    """reference_tree for siblings drawn without replacement (check with siblings="without")."""
+    return reference_tree(tokens, parents, p, q, lengths=lengths, generator=generator, replacement=False)
+
+
+def reference_tree_plain(tokens, parents, p, q, generator, mistake: Optional[str] = None):
+    """reference_tree on one row, in the plain convention: -> (path, last)."""
+    out = reference_tree(tokens[None], parents[None], p[None], None if q is None else q[None], generator=generator,
+                         mistake=mistake)
+    m = int(out.num_accepted[0])
+    return out.path[0, :m], int(out.tokens[0, m])
+
+
+def reference_tree_eagle(candidates, retrieve_indices, logits, draft_probs, generator, mistake: Optional[str] = None):
+    """reference_tree in the retrieve-indices convention: rebuilds (tokens, parents, p, q) from the
+    layout, verifies, and names the first row holding the accepted path."""
+    P, W = retrieve_indices.shape
+    n = int(retrieve_indices.max())
+    tokens, parents = torch.full((n,), -1, dtype=torch.long), torch.full((n,), -1, dtype=torch.long)
+    p = torch.zeros(n + 1, logits.shape[-1])  # (n+1, V)
+    q = None if draft_probs is None else torch.zeros(n, logits.shape[-1])  # (n, V)
+    for row in range(P):
+        for j in range(W):
+            f = int(retrieve_indices[row, j])
+            if f < 0:
+                break
+            p[f] = torch.softmax(logits[row, j].float(), -1)
+            if j:
+                tokens[f - 1], parents[f - 1] = candidates[row, j], int(retrieve_indices[row, j - 1]) - 1
+                if q is not None:
+                    q[f - 1] = draft_probs[row, j]
+    path, last = reference_tree_plain(tokens, parents, p, q, generator, mistake)
+    want = [0] + [1 + int(i) for i in path]
+    best = next(r for r in range(P) if retrieve_indices[r, : len(want)].tolist() == want)
+    return best, len(path), last
+
+
+def greedy_mutant(name: str) -> Callable:
+    """verify_tree_greedy with one mistake (GREEDY_MUTANTS), in the specref convention."""
+    def fn(tokens, parents, logits, *, lengths=None):
+        out = verify_tree_greedy(tokens, parents, logits, lengths=lengths)
+        a = logits.argmax(-1)  # (B, N+1)
+        B, N = tokens.shape
+        toks, path, m = out.tokens.clone(), out.path.clone(), out.num_accepted.clone()
+        for b in range(B):
+            if name == "greedy_first_match":  # walk down, taking the first child that matches
+                cur, pt = -1, []
+                while True:
+                    kids = [i for i in range(int(lengths[b])) if int(parents[b, i]) == cur and int(tokens[b, i]) == int(a[b, cur + 1])]
+                    if not kids:
+                        break
+                    cur = kids[0]
+                    pt.append(cur)
+                m[b] = len(pt)
+                path[b] = -1
+                toks[b] = -1
+                path[b, : len(pt)] = torch.tensor(pt, dtype=torch.long)
+                toks[b, : len(pt)] = tokens[b, pt]
+                toks[b, len(pt)] = a[b, cur + 1]
+            elif int(m[b]) > 0:  # greedy_bonus_at_parent
+                end = int(path[b, int(m[b]) - 1])
+                toks[b, int(m[b])] = a[b, int(parents[b, end]) + 1]
+        return TreeResult(toks, path, m)
+    fn.__name__ = name
+    return fn
+
+
+def false_alarms_tree(fn: Callable, *, runs: int = 20, samples: int = 400, alpha: float = 0.2, seed: int = 1000,
+                      cases=None) -> Tuple[int, List[float]]:
+    """Failures of `runs` independent checks of a correct verifier (expected <= alpha * runs) and the
+    p-values of every variant's first-token test (i.i.d. uniform under the null, up to discreteness)."""
+    fails, first = 0, []
+    for r in range(runs):
+        rep = check_tree_sampler(fn, samples=samples, alpha=alpha, seed=seed + r, early_stop=False, cases=cases)
+        fails += not rep.passed
+        first += [t.p_value for t in rep.tests if t.name.endswith(" first") and t.dof > 0]
+    return fails, first
+
+
+def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
+    """Every tree and greedy mutant must fail, every correct verifier pass; then the false-alarm rate."""
+    from scipy import stats
+
+    small = tuple(c for c in standard_tree_cases() if c.vocab <= 6)
+    runs = [("specref.rejection.verify_tree", verify_tree, "specref", "iid", samples, None),
+            ("reference_tree", reference_tree, "specref", "iid", samples, None),
+            ("reference_tree_without", reference_tree_without, "specref", "without", samples, None),
+            ("reference_tree_plain", reference_tree_plain, "plain", "iid", max(8, samples // 20), small),
+            ("reference_tree_eagle", reference_tree_eagle, "eagle", "iid", max(8, samples // 40), small)]
+    runs += [(m, tree_mutant(m), "specref", "iid", samples, None) for m in TREE_MUTANTS]
+    ok, lines = True, []
+    for name, fn, api, sib, n, cases in runs:
+        rep = check_tree_sampler(fn, api=api, siblings=sib, samples=n, seed=seed, cases=cases)
+        expect = name not in TREE_MUTANTS
+        ok &= rep.passed == expect
+        why = rep.errors[0] if rep.errors else (
+            "min p {:.2g} ({})".format(*min(((t.p_value, t.name) for t in rep.tests), default=(1.0, "-"))))
+        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
+                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} samples; {why}")
+    for name, fn in [("specref.rejection.verify_tree_greedy", verify_tree_greedy)] + [(m, greedy_mutant(m)) for m in GREEDY_MUTANTS]:
+        rep = check_greedy_verifier(fn, samples=max(8, samples // 10), seed=seed)
+        expect = name not in GREEDY_MUTANTS
+        ok &= rep.passed == expect
+        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
+                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} rows; {rep.errors[0] if rep.errors else 'exact'}")
+    if false_alarm_runs:
+        fails, first = false_alarms_tree(reference_tree, runs=false_alarm_runs, seed=seed + 1000, cases=small)
+        p_rate = stats.binomtest(fails, false_alarm_runs, 0.2, alternative="greater").pvalue
+        p_unif = stats.kstest(first, "uniform").pvalue
+        good = p_rate > 1e-3 and p_unif > 1e-3
+        ok &= good
+        lines.append(f"{'ok ' if good else 'BAD'} false alarms of reference_tree at alpha 0.2: {fails}/{false_alarm_runs} "
+                     f"(binomial p {p_rate:.3g}); first-token p-values uniform: KS p {p_unif:.3g} over {len(first)}")
+    lines.append(f"tree self-test: {'PASS' if ok else 'FAIL'}")
+    return ok, lines
+
+
+# module-level names for the CLI: --sampler specref.oracle.tree_selftest:tree_mutant_no_renorm
+for _name in TREE_MUTANTS:
+    globals()[f"tree_mutant_{_name}"] = tree_mutant(_name)
