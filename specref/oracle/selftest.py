@@ -153,8 +153,6 @@ def false_alarms(fn: Callable, *, api: str = "specref", runs: int = 20, samples:
 
 def self_test(samples: int = 20_000, alpha: float = 1e-3, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
     """Every mutant must fail, every correct sampler pass; then the false-alarm rate of the reference."""
-    from scipy import stats
-
     correct = [("reference_chain", reference_chain, "specref", samples),
                ("reference_vllm", reference_vllm, "vllm", samples),
                ("reference_plain", reference_plain, "plain", max(8, samples // 20))]
@@ -168,21 +166,39 @@ def self_test(samples: int = 20_000, alpha: float = 1e-3, seed: int = 0, false_a
         rep = check_rejection_sampler(fn, api=api, samples=n, alpha=alpha, seed=seed)
         expect = name not in MUTANTS
         ok &= rep.passed == expect
-        worst = min(rep.tests, key=lambda t: t.p_value)
-        why = rep.errors[0] if rep.errors else f"min p {worst.p_value:.2g} ({worst.name})"
-        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
-                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} samples; {why}")
+        lines.append(verdict_line(name, rep.passed, expect, f"{rep.samples} samples; {failure_reason(rep)}"))
     if false_alarm_runs:
-        fa_alpha = 0.2
-        fails, pos1 = false_alarms(reference_chain, runs=false_alarm_runs, alpha=fa_alpha, seed=seed + 1000)
-        p_rate = stats.binomtest(fails, false_alarm_runs, fa_alpha, alternative="greater").pvalue
-        p_unif = stats.kstest(pos1, "uniform").pvalue
-        good = p_rate > 1e-3 and p_unif > 1e-3
+        fails, pos1 = false_alarms(reference_chain, runs=false_alarm_runs, alpha=0.2, seed=seed + 1000)
+        good, line = false_alarm_verdict("reference_chain", fails, false_alarm_runs, 0.2, pos1, "pos-1")
         ok &= good
-        lines.append(f"{'ok ' if good else 'BAD'} false alarms of reference_chain at alpha {fa_alpha}: {fails}/{false_alarm_runs} "
-                     f"(binomial p {p_rate:.3g}); pos-1 p-values uniform: KS p {p_unif:.3g} over {len(pos1)}")
+        lines.append(line)
     lines.append(f"self-test: {'PASS' if ok else 'FAIL'}")
     return ok, lines
+
+
+def failure_reason(rep) -> str:
+    """A report's first structural error, else its smallest p-value and the test's name."""
+    if rep.errors:
+        return rep.errors[0]
+    return "min p {:.2g} ({})".format(*min(((t.p_value, t.name) for t in rep.tests), default=(1.0, "-")))
+
+
+def verdict_line(name: str, passed: bool, expect: bool, detail: str) -> str:
+    """One self-test line: ok when the check's verdict is the expected one."""
+    return (f"{'ok ' if passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
+            f"got {'PASS' if passed else 'FAIL'}; {detail}")
+
+
+def false_alarm_verdict(name: str, fails: int, runs: int, alpha: float, pvals, what: str) -> Tuple[bool, str]:
+    """A correct sampler's failures over `runs` checks at level alpha must not exceed the binomial
+    rate, and its first tests' p-values must be uniform (KS); -> (good, the self-test line)."""
+    from scipy import stats
+
+    p_rate = stats.binomtest(fails, runs, alpha, alternative="greater").pvalue
+    p_unif = stats.kstest(pvals, "uniform").pvalue
+    good = p_rate > 1e-3 and p_unif > 1e-3
+    return good, (f"{'ok ' if good else 'BAD'} false alarms of {name} at alpha {alpha}: {fails}/{runs} "
+                  f"(binomial p {p_rate:.3g}); {what} p-values uniform: KS p {p_unif:.3g} over {len(pvals)}")
 
 
 # module-level names for the CLI: --sampler specref.oracle.selftest:mutant_no_residual

@@ -18,6 +18,7 @@ import torch
 
 from ..rejection import TreeResult, verify_tree, verify_tree_greedy
 from ..sampling import sample_from_probs, uniforms
+from .selftest import failure_reason, false_alarm_verdict, verdict_line
 from .tree_cases import standard_tree_cases
 from .tree_check import check_tree_sampler
 from .tree_greedy import check_greedy_verifier
@@ -189,8 +190,6 @@ def false_alarms_tree(fn: Callable, *, runs: int = 20, samples: int = 400, alpha
 
 def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
     """Every tree and greedy mutant must fail, every correct verifier pass; then the false-alarm rate."""
-    from scipy import stats
-
     small = tuple(c for c in standard_tree_cases() if c.vocab <= 6)
     runs = [("specref.rejection.verify_tree", verify_tree, "specref", "iid", samples, None),
             ("reference_tree", reference_tree, "specref", "iid", samples, None),
@@ -203,24 +202,18 @@ def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 2
         rep = check_tree_sampler(fn, api=api, siblings=sib, samples=n, seed=seed, cases=cases)
         expect = name not in TREE_MUTANTS
         ok &= rep.passed == expect
-        why = rep.errors[0] if rep.errors else (
-            "min p {:.2g} ({})".format(*min(((t.p_value, t.name) for t in rep.tests), default=(1.0, "-"))))
-        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
-                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} samples; {why}")
+        lines.append(verdict_line(name, rep.passed, expect, f"{rep.samples} samples; {failure_reason(rep)}"))
     for name, fn in [("specref.rejection.verify_tree_greedy", verify_tree_greedy)] + [(m, greedy_mutant(m)) for m in GREEDY_MUTANTS]:
         rep = check_greedy_verifier(fn, samples=max(8, samples // 10), seed=seed)
         expect = name not in GREEDY_MUTANTS
         ok &= rep.passed == expect
-        lines.append(f"{'ok ' if rep.passed == expect else 'BAD'} {name:32s} expected {'PASS' if expect else 'FAIL'}, "
-                     f"got {'PASS' if rep.passed else 'FAIL'}; {rep.samples} rows; {rep.errors[0] if rep.errors else 'exact'}")
+        lines.append(verdict_line(name, rep.passed, expect,
+                                  f"{rep.samples} rows; {rep.errors[0] if rep.errors else 'exact'}"))
     if false_alarm_runs:
         fails, first = false_alarms_tree(reference_tree, runs=false_alarm_runs, seed=seed + 1000, cases=small)
-        p_rate = stats.binomtest(fails, false_alarm_runs, 0.2, alternative="greater").pvalue
-        p_unif = stats.kstest(first, "uniform").pvalue
-        good = p_rate > 1e-3 and p_unif > 1e-3
+        good, line = false_alarm_verdict("reference_tree", fails, false_alarm_runs, 0.2, first, "first-token")
         ok &= good
-        lines.append(f"{'ok ' if good else 'BAD'} false alarms of reference_tree at alpha 0.2: {fails}/{false_alarm_runs} "
-                     f"(binomial p {p_rate:.3g}); first-token p-values uniform: KS p {p_unif:.3g} over {len(first)}")
+        lines.append(line)
     lines.append(f"tree self-test: {'PASS' if ok else 'FAIL'}")
     return ok, lines
 

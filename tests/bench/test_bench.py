@@ -99,7 +99,7 @@ def test_batch_bench_end_to_end(qfile, tmp_path):
     assert list(res["rows"]) == ["1", "2", "4"]
     assert "hf_pld" in res["rows"]["1"] and "hf_pld" not in res["rows"]["4"]
     for B, per in res["rows"].items():
-        assert per["ar"]["speedup"] == 1.0 and per["ar"]["tokens"] == 4 * 12
+        assert per["ar"]["tokens"] == 4 * 12  # no eos in the tiny model: every row runs to the budget
         for name in ("ngram", "draft"):
             assert per[name]["identical"] is True, (B, name)
             assert per[name]["tokens"] == per["ar"]["tokens"]
