@@ -48,6 +48,16 @@ def as_int(value, name: str, low: Optional[int] = None, high: Optional[int] = No
     return value
 
 
+def normalise_ints(cfg, *names: str) -> None:
+    """In a frozen config dataclass, numpy integers and 0-d integer tensors in int fields become
+    ints (what a user passes from an array); other types are left to the config's own checks."""
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, np.integer) or (isinstance(v, torch.Tensor) and v.dim() == 0
+                                         and not v.is_floating_point() and v.dtype != torch.bool):
+            object.__setattr__(cfg, name, int(v))
+
+
 def as_float(value, name: str) -> float:
     """A float from a Python/numpy number or a 0-d floating tensor (not a bool or str)."""
     if isinstance(value, torch.Tensor) and value.dim() == 0:

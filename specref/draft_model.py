@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import normalise_ints
 from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample_rows
@@ -41,6 +42,7 @@ class DraftModelConfig:
     greedy_draft: bool = False  # draft argmax tokens (q = None) even when the target samples
 
     def __post_init__(self) -> None:
+        normalise_ints(self, "k")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1, got {self.k!r}")
 

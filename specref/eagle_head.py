@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .backends.cpu_linear import PackedLinears, packing_available
+from .checks import normalise_ints
 from .costs import device_sync, median_block_times
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
@@ -133,6 +134,7 @@ class EagleConfig:
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate
 
     def __post_init__(self) -> None:
+        normalise_ints(self, "k")
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an int >= 1, got {self.k!r}")
         check_costs(self)

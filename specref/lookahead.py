@@ -46,6 +46,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .checks import normalise_ints
 from .proposer import AuxBlock, Context, Draft, Generators
 from .sampling import SamplingConfig, uniforms
 from .tree import Tree
@@ -66,6 +67,7 @@ class LookaheadConfig:
     pool_from_prompt: bool = False  # also pool the prompt's and output's n-grams (off in the paper)
 
     def __post_init__(self) -> None:
+        normalise_ints(self, "W", "N", "G")
         for name, v, lo in (("W", self.W, 1), ("N", self.N, 3), ("G", self.G, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}"

@@ -54,6 +54,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .checks import normalise_ints
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
 from .theory import DecayedAcceptance, best_draft_length, check_costs
@@ -80,6 +81,7 @@ class NgramConfig:
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate a
 
     def __post_init__(self) -> None:
+        normalise_ints(self, "min_n", "max_n", "k")
         _check_nk(self.min_n, self.max_n, self.k)
         if self.match not in ("earliest", "latest"):
             raise ValueError(f"match must be 'earliest' or 'latest', got {self.match!r}")

@@ -182,6 +182,18 @@ def test_what_a_user_would_pass_is_accepted():
     assert ar(ids=IDS[:, :1].repeat(1, 7), max_new_tokens=121).num_tokens.tolist() == [121, 121]
 
 
+def test_configs_take_numpy_ints():
+    from specref.eagle_head import EagleConfig
+    from specref.lookahead import LookaheadConfig
+
+    for cfg, field in ((DraftModelConfig(k=np.int64(3)), "k"), (EagleConfig(k=np.int32(2)), "k"),
+                       (NgramConfig(min_n=np.int64(1), max_n=torch.tensor(3), k=np.int64(4)), "max_n"),
+                       (LookaheadConfig(W=np.int64(3), N=np.int64(3), G=np.int64(2)), "W")):
+        assert type(getattr(cfg, field)) is int, (cfg, field)
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        DraftModelConfig(k=np.float64(3.0))  # a float stays refused
+
+
 def test_a_users_correct_drafts_pass_the_per_step_check():
     # the same drafts as the library's n-gram proposer, through a user's wrapper: checked each step
     class Wrapped:
