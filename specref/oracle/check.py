@@ -216,51 +216,72 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
     looks = [max(1, samples // 8), samples] if early_stop else [samples]
     m = sum(_num_tests(v) for c in cases for v in c.variants)
     threshold = alpha / len(looks) / m
-    store = [[[], [], []] for _ in cases]  # per case: tokens, num_accepted, drafts chunks
-    broken = {}  # case -> its structural error (the case is not analysed further)
+
+    def draw(ci, case, start, stop):
+        s0, s1 = np.random.SeedSequence([seed, ci, start]).generate_state(2)
+        gen = torch.Generator().manual_seed(int(s0))
+        _, draft, P, Q, lengths = _draw_rows(case, start, stop, gen, device)
+        if per_row_generators:  # one generator per row, seeded independently
+            gen = [torch.Generator().manual_seed(int(s)) for s in
+                   np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
+        return draft, P, Q, lengths, gen, int(s1), stop - start
+
+    def run(case, drawn):
+        draft, P, Q, lengths, gen, s1, n = drawn
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(s1)  # for samplers that use the global CPU RNG
+            toks, acc = call(draft, P, Q, lengths, gen)
+        if toks.shape != (n, case.k + 1) or acc.shape != (n,):
+            raise Malformed(f"tokens of shape {tuple(toks.shape)} and num_accepted of shape {tuple(acc.shape)}, "
+                            f"expected {(n, case.k + 1)} and {(n,)}")
+        return toks.numpy(), acc.numpy(), draft.cpu().numpy()
+
+    def analyse(ci, case, chunks, thr):
+        T, A, D = (np.concatenate(s) for s in zip(*chunks))
+        vid = np.arange(T.shape[0]) % len(case.variants)  # (rows * nv,)
+        errors, tests, firsts = [], [], []
+        for vi in range(len(case.variants)):
+            e, t = _analyse(case, vi, T[vid == vi], A[vid == vi], D[vid == vi], thr, max_joint_cells)
+            errors += e
+            tests += t
+            firsts += [t[0].detectable_tv] if t else []  # pos 1 (or the bonus when L = 0)
+        return errors, tests, firsts, T.shape[0]
+
+    chunk = lambda case: max(len(case.variants), (2**22 // ((case.k + 1) * case.vocab))  # noqa: E731
+                             // len(case.variants) * len(case.variants))
+    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "sampler")
+
+
+def run_looks(cases, looks, alpha: float, threshold: float, chunk_rows: Callable, draw: Callable,
+              run: Callable, analyse: Callable, what: str) -> Report:
+    """The sequential driver of the chain and tree checks: per look, more rows of every case in
+    chunks (earlier chunks kept), drawn by `draw(ci, case, start, stop)` and put through the
+    implementation by `run(case, drawn) -> chunk` (raise Malformed for a bad output); a case whose
+    output is malformed, or whose implementation raises, is one structural error and is not
+    analysed further; `analyse(ci, case, chunks, threshold) -> (errors, tests, first tests'
+    detectable TVs, rows)`. Stops after the first look with a failure."""
+    store = [[] for _ in cases]  # per case: its chunks
+    broken = {}  # case -> its structural error
     done = 0
     for li, rows in enumerate(looks):
         errors, tests, firsts, total = [], [], [], 0
         for ci, case in enumerate(cases):
-            nv = len(case.variants)
-            chunk = max(nv, (2**22 // ((case.k + 1) * case.vocab)) // nv * nv)
+            nv, chunk = len(case.variants), chunk_rows(case)
             for start in range(done * nv, rows * nv, chunk):
                 if ci in broken:
                     break
-                stop = min(rows * nv, start + chunk)
-                s0, s1 = np.random.SeedSequence([seed, ci, start]).generate_state(2)
-                gen = torch.Generator().manual_seed(int(s0))
-                _, draft, P, Q, lengths = _draw_rows(case, start, stop, gen, device)
-                if per_row_generators:  # one generator per row, seeded independently
-                    gen = [torch.Generator().manual_seed(int(s)) for s in
-                           np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
+                drawn = draw(ci, case, start, min(rows * nv, start + chunk))
                 try:
-                    with torch.random.fork_rng(devices=[]):
-                        torch.default_generator.manual_seed(int(s1))  # for samplers that use the global CPU RNG
-                        toks, acc = call(draft, P, Q, lengths, gen)
-                    if toks.shape != (stop - start, case.k + 1) or acc.shape != (stop - start,):
-                        raise Malformed(f"tokens of shape {tuple(toks.shape)} and num_accepted of shape {tuple(acc.shape)}, "
-                                        f"expected {(stop - start, case.k + 1)} and {(stop - start,)}")
+                    store[ci].append(run(case, drawn))
                 except Malformed as e:
                     broken[ci] = f"{case.name}: malformed output: {e}"
-                    break
-                except Exception as e:  # the sampler crashed on this case
-                    broken[ci] = f"{case.name}: the sampler raised {type(e).__name__}: {e}"
-                    break
-                store[ci][0].append(toks.numpy())
-                store[ci][1].append(acc.numpy())
-                store[ci][2].append(draft.cpu().numpy())
+                except Exception as e:  # the implementation crashed on this case
+                    broken[ci] = f"{case.name}: the {what} raised {type(e).__name__}: {e}"
             if ci in broken:
                 errors.append(broken[ci])
                 continue
-            T, A, D = (np.concatenate(s) for s in store[ci])
-            vid = np.arange(T.shape[0]) % nv  # (rows * nv,)
-            total += T.shape[0]
-            for vi in range(nv):
-                e, t = _analyse(case, vi, T[vid == vi], A[vid == vi], D[vid == vi], threshold, max_joint_cells)
-                errors += e
-                tests += t
-                firsts += [t[0].detectable_tv] if t else []  # pos 1 (or the bonus when L = 0)
+            e, t, f, n = analyse(ci, case, store[ci], threshold)
+            errors, tests, firsts, total = errors + e, tests + t, firsts + f, total + n
         done = rows
         passed = not errors and all(t.p_value >= threshold for t in tests)
         if not passed or li == len(looks) - 1:

@@ -19,14 +19,13 @@ SpecTr's optimal transport. Greedy verifiers: tree_greedy.check_greedy_verifier.
 """
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from .adapters import Malformed, check_args
-from .check import Report, TestResult
+from .adapters import check_args
+from .check import Report, TestResult, run_looks
 from .stats import chi_square_gof, detectable_tv, tv_distance
 from .tree_adapters import adapt_tree, path_errors
 from .tree_cases import TreeCase, depths, draw_tree_rows, standard_tree_cases
@@ -137,62 +136,46 @@ def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Se
         for vi, v in enumerate(case.variants):
             plan[ci, vi] = _variant_tests(case, vi, "fixed" if v.tokens is not None else siblings, max_joint_cells)
     threshold = alpha / len(looks) / max(1, sum(len(t) for t in plan.values()))
-    store = [[] for _ in cases]  # per case: (vid, path, last, tokens) chunks
-    broken = {}  # case -> structural error (the case is not analysed further)
-    done = 0
-    for li, rows in enumerate(looks):
-        errors, tests, firsts, total = [], [], [], 0
-        for ci, case in enumerate(cases):
-            nv = len(case.variants)
-            chunk = max(nv, (2 ** 21 // ((case.width + 1) * case.vocab)) // nv * nv)
-            for start in range(done * nv, rows * nv, chunk):
-                if ci in broken:
-                    break
-                stop = min(rows * nv, start + chunk)
-                s0, s1, s2 = np.random.SeedSequence([seed, ci, start]).generate_state(3)
-                vid = torch.arange(start, stop) % nv  # (B,)
-                tok, par, lens, P, Q = draw_tree_rows(case, vid, siblings, torch.Generator().manual_seed(int(s0)))
-                gens = ([torch.Generator().manual_seed(int(s)) for s in np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
-                        if per_row_generators else torch.Generator().manual_seed(int(s1)))
-                to = lambda t: None if t is None else t.to(device)
-                try:
-                    with torch.random.fork_rng(devices=[]):
-                        torch.default_generator.manual_seed(int(s2))  # for verifiers that use the global RNG
-                        path, last = call(to(tok), to(par), to(lens), to(P), to(Q), gens)
-                except Malformed as e:
-                    broken[ci] = f"{case.name}: malformed output: {e}"
-                    break
-                except Exception as e:  # the verifier crashed on this case
-                    broken[ci] = f"{case.name}: the verifier raised {type(e).__name__}: {e}"
-                    break
-                store[ci].append((vid.numpy(), path.numpy(), last.numpy(), tok.numpy(), par.numpy(), lens.numpy()))
-            if ci in broken:
-                errors.append(broken[ci])
-                continue
-            vid, path, last, tok, par, lens = _concat(store[ci])
-            bad_path, bad_tok = path_errors(path, last, par, lens, case.vocab)
-            total += vid.size
-            for vi, v in enumerate(case.variants):
-                name = f"{case.name}/{v.label}"
-                sel = vid == vi
-                for mask, what in ((bad_path, "the accepted path is not a root-to-node path of the tree"),
-                                   (bad_tok, f"final token not in [0, {case.vocab})")):
-                    if (mask & sel).any():
-                        r = int(np.flatnonzero(mask & sel)[0])
-                        errors.append(f"{name}: {int((mask & sel).sum())}/{int(sel.sum())} rows: {what} (e.g. parents "
-                                      f"{par[r, :lens[r]].tolist()}, path {path[r].tolist()}, final token {int(last[r])})")
-                ok = sel & ~bad_path & ~bad_tok
-                D = max(depths(v.parents), default=0)
-                rec = _records(path[ok], last[ok], tok[ok], D)
-                t = _run_tests(name, plan[ci, vi], rec, threshold)
-                tests += t
-                firsts += [t[0].detectable_tv] if t else []
-        done = rows
-        passed = not errors and all(t.p_value >= threshold for t in tests)
-        if not passed or li == len(looks) - 1:
-            return Report(passed, alpha, threshold, tuple(tests), tuple(errors), total,
-                          max(firsts) if firsts else math.inf, li < len(looks) - 1)
-    raise AssertionError("unreachable")
+
+    def draw(ci, case, start, stop):
+        s0, s1, s2 = np.random.SeedSequence([seed, ci, start]).generate_state(3)
+        vid = torch.arange(start, stop) % len(case.variants)  # (B,)
+        tok, par, lens, P, Q = draw_tree_rows(case, vid, siblings, torch.Generator().manual_seed(int(s0)))
+        gens = ([torch.Generator().manual_seed(int(s)) for s in np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
+                if per_row_generators else torch.Generator().manual_seed(int(s1)))
+        return vid, tok, par, lens, P, Q, gens, int(s2)
+
+    def run(case, drawn):
+        vid, tok, par, lens, P, Q, gens, s2 = drawn
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(s2)  # for verifiers that use the global RNG
+            path, last = call(to(tok), to(par), to(lens), to(P), to(Q), gens)
+        return vid.numpy(), path.numpy(), last.numpy(), tok.numpy(), par.numpy(), lens.numpy()
+
+    def analyse(ci, case, chunks, thr):
+        vid, path, last, tok, par, lens = _concat(chunks)
+        bad_path, bad_tok = path_errors(path, last, par, lens, case.vocab)
+        errors, tests, firsts = [], [], []
+        for vi, v in enumerate(case.variants):
+            name = f"{case.name}/{v.label}"
+            sel = vid == vi
+            for mask, what in ((bad_path, "the accepted path is not a root-to-node path of the tree"),
+                               (bad_tok, f"final token not in [0, {case.vocab})")):
+                if (mask & sel).any():
+                    r = int(np.flatnonzero(mask & sel)[0])
+                    errors.append(f"{name}: {int((mask & sel).sum())}/{int(sel.sum())} rows: {what} (e.g. parents "
+                                  f"{par[r, :lens[r]].tolist()}, path {path[r].tolist()}, final token {int(last[r])})")
+            ok = sel & ~bad_path & ~bad_tok
+            D = max(depths(v.parents), default=0)
+            t = _run_tests(name, plan[ci, vi], _records(path[ok], last[ok], tok[ok], D), thr)
+            tests += t
+            firsts += [t[0].detectable_tv] if t else []
+        return errors, tests, firsts, vid.size
+
+    chunk = lambda case: max(len(case.variants), (2 ** 21 // ((case.width + 1) * case.vocab))  # noqa: E731
+                             // len(case.variants) * len(case.variants))
+    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "verifier")
 
 
 def _concat(chunks):
