@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def notebooks(folder: Path = HERE) -> list:
-    """The teaching notebooks, in order (01_... to 08_...)."""
+    """The teaching notebooks, in order (01_, 02_, ... numbered consecutively)."""
     return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
 
 

@@ -6,7 +6,7 @@
 
 Everything a user needs is re-exported here. The package: the core (sampling, rejection, tree,
 kv_rollback, target, proposer, generate, theory, costs), one module per method (draft_model,
-ngram, lookahead, eagle_head, hybrid), and three wings: oracle/ (is a sampler lossless?),
+ngram, lookahead, eagle_head, medusa_heads (+ medusa_tree, typical), mtp, hybrid), and three wings: oracle/ (is a sampler lossless?),
 training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
 submodules (models, training, bench) import their optional dependencies lazily.
 """
@@ -17,6 +17,8 @@ from .generate import GenerationOutput, GenerationStats, NullProposer, autoregre
 from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
+from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
+from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
                      chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance)
@@ -25,6 +27,7 @@ from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greed
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
 from .target import Target, TargetConfig
 from .theory import expected_tokens, optimal_k, speedup
+from .typical import TypicalAcceptance, verify_tree_typical
 
 __version__ = "0.1.0"
 
@@ -39,13 +42,14 @@ def load_default(*args, **kwargs):
 __all__ = [  # sorted
     "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "EagleConfig",
     "EagleHead", "EagleProposer", "GREEDY", "GenerationOutput", "GenerationStats", "HybridConfig",
-    "HybridProposer", "LookaheadConfig", "LookaheadProposer", "NgramConfig", "NgramProposer",
+    "HybridProposer", "LookaheadConfig", "LookaheadProposer", "MedusaConfig", "MedusaHeads", "MedusaProposer",
+    "MTPConfig", "MTPProposer", "MTPStack", "NgramConfig", "NgramProposer",
     "NullProposer", "Proposer", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
-    "TreeResult", "autoregressive_generate", "check_generator", "check_greedy_verifier",
+    "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator", "check_greedy_verifier",
     "check_rejection_sampler", "check_tree_sampler", "chi_square_gof", "chi_square_two_sample",
     "detectable_tv", "expected_tokens", "joint_index",
-    "load_default", "load_eagle", "load_trained_draft", "logits_to_probs", "make_generators",
+    "load_default", "load_eagle", "load_medusa", "load_mtp", "load_native_mtp", "load_trained_draft", "logits_to_probs", "make_generators",
     "measure_cost", "measure_verify_cost", "optimal_k", "propose_ngram", "samples_for_tv",
     "speculative_generate", "speedup", "truncated_draft", "tv_distance", "verify_chain",
-    "verify_chain_greedy", "verify_tree", "verify_tree_greedy",
+    "verify_chain_greedy", "verify_tree", "verify_tree_greedy", "verify_tree_typical",
 ]

@@ -6,6 +6,7 @@ generate - one prompt through any local model folder or GGUF file, with a chosen
 oracle   - check a rejection sampler for losslessness (oracle/).
 bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
 train    - self-distilled data and training of the draft or the EAGLE head (training/).
+data     - the feature store: real text scored teacher-forced by the target (training/store.py).
 """
 from __future__ import annotations
 
@@ -122,8 +123,10 @@ def generate_cmd(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("oracle", "bench", "train"):  # subcommands with their own parsers
-        if argv[0] == "oracle":
+    if argv and argv[0] in ("oracle", "bench", "train", "data"):  # subcommands with their own parsers
+        if argv[0] == "data":
+            from .training.store import data_main as sub_main
+        elif argv[0] == "oracle":
             from .oracle.cli import oracle_main as sub_main
         elif argv[0] == "bench":
             from .bench.runner import bench_main as sub_main
@@ -152,6 +155,7 @@ def main(argv=None) -> int:
     sub.add_parser("oracle", help="check a rejection sampler: python -m specref oracle --help")
     sub.add_parser("bench", help="benchmark every method: python -m specref bench --help")
     sub.add_parser("train", help="self-distillation and draft training: python -m specref train --help")
+    sub.add_parser("data", help="the feature store of real text: python -m specref data --help")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         return demo(args)

@@ -8,7 +8,9 @@ Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): eac
   4. roll back - the KV cache keeps the accepted slots; the proposer is told what was accepted.
 Every emitted token comes out of step 3, so the output is distributed exactly as direct sampling
 from the target with the same sampling settings (proven by the chi-square tests), and under greedy
-decoding it is token-for-token the target's greedy output.
+decoding it is token-for-token the target's greedy output. The one exception is opt-in: a proposer
+whose `acceptance_rule` is Medusa's typical acceptance (typical.py) trades exactness for accepted
+length at T > 0 (greedy stays exact).
 
 The baseline `autoregressive_generate` is the same loop with an empty draft (a block of one token),
 on the same cache, forward and sampling code, so a speed ratio between the two measures only
@@ -27,11 +29,12 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import checks, rejection, tree
+from . import checks, rejection, tree, typical
 from .costs import device_sync
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
 from .target import Target
+from .typical import TypicalAcceptance
 
 
 @dataclass
@@ -226,6 +229,9 @@ def speculative_generate(
                          f"DraftModelProposer(..., vocab_size={tgt.vocab_size}))")
     if max_len is not None:
         max_len = checks.as_int(max_len, "max_len", low=1)
+    rule = getattr(proposer, "acceptance_rule", None)  # None: rejection sampling; Medusa's typical (lossy)
+    if rule is not None and not isinstance(rule, TypicalAcceptance):
+        raise ValueError(f"{who}.acceptance_rule must be None or a TypicalAcceptance, got {type(rule).__name__}")
     want_h = getattr(proposer, "hidden_layers", None)  # features the proposer reads (EAGLE), or None
     if want_h is not None and (not isinstance(want_h, tuple) or not want_h
                                or not all(isinstance(i, int) for i in want_h)):
@@ -293,7 +299,7 @@ def speculative_generate(
             verify = _verify_tree if draft.is_tree else _verify_chain
             block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer)
             # 3. accept: rejection.py, then each row's cut at its token budget and first eos
-            step = _accept(block, draft.q, sampling, generator, step_no, who)
+            step = _accept(block, draft.q, sampling, generator, step_no, who, rule)
             if step.emitted.shape[1] > K + 1:
                 raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
                                  f"than its k = {k}")
@@ -369,8 +375,9 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
 
 
 def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator, step: int,
-            who: str) -> StepResult:
-    """The rejection step (rejection.py): greedy exact match, or speculative sampling against p.
+            who: str, rule: Optional[TypicalAcceptance] = None) -> StepResult:
+    """The rejection step (rejection.py): greedy exact match, or speculative sampling against p
+    (or, when the proposer sets `acceptance_rule`, Medusa's typical acceptance: typical.py, lossy).
     The distributions are checked here once (NaN / inf, naming the model, row and step); rejection.py
     then runs unchecked (validate=False): the drafts are the library's own or passed check_draft."""
     N = block.tokens.shape[1]
@@ -385,6 +392,12 @@ def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, 
     p = logits_to_probs(block.logits, sampling)  # (B, 1+N, V)
     q = None if q is None else q[:, :N].to(p)  # (B, N, V)
     checks.finite_or_raise(step, who, p=p, q=q)
+    if rule is not None:  # lossy: the draft's q plays no part
+        par = block.parents if block.parents is not None else (
+            torch.arange(N, device=p.device) - 1).expand(p.shape[0], N)  # a chain as a tree
+        res = typical.verify_tree_typical(block.tokens, par, p, rule, lengths=block.lengths, generator=generator,
+                                          validate=False)
+        return StepResult(res.tokens, res.num_accepted, res.path if block.parents is not None else None)
     if block.parents is None:
         res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False)
         return StepResult(res.tokens, res.num_accepted)

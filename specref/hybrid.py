@@ -28,8 +28,9 @@ rejection.py treats exactly as q = None.
 State: the n-gram proposer scores its shadow draft every step whatever was drafted. The learned
 proposer sees the rows prompt lookup took as inactive for that step (it neither drafts nor catches
 up there; it catches up the next time it drafts the row) and is told 0 accepted tokens for them.
-With batch 1 it is not called at all in a step that prompt lookup takes. Chains only: a tree or
-lookahead proposer as either part is rejected.
+With batch 1 it is not called at all in a step that prompt lookup takes. A tree proposer as the
+learned part (Medusa) works in "select" mode: its rows keep their tree, prompt lookup's rows are
+chains in the same tree draft; mode "tree" and lookahead (auxiliary tokens) take chains only.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ class HybridConfig:
 
 class HybridProposer:
     """Proposer protocol: rows with a worthwhile prompt-lookup match draft it; the rest draft from
-    `learned` (DraftModelProposer, EagleProposer or any chain proposer that honours ctx.active)."""
+    `learned` (DraftModelProposer, EagleProposer, MedusaProposer or any proposer that honours
+    ctx.active)."""
 
     def __init__(self, ngram: NgramProposer, learned, config: HybridConfig = HybridConfig()):
         if not isinstance(ngram, NgramProposer):
@@ -68,6 +70,9 @@ class HybridProposer:
             raise ValueError(f"learned must implement the Proposer protocol, got {type(learned).__name__}")
         if isinstance(learned, (NgramProposer, HybridProposer)) or callable(getattr(learned, "observe", None)):
             raise ValueError(f"learned must be a model-based chain proposer, got {type(learned).__name__}")
+        if getattr(learned, "acceptance_rule", None) is not None:
+            raise ValueError("HybridProposer verifies losslessly: give it a learned proposer without an "
+                             "acceptance_rule (e.g. MedusaConfig(acceptance='lossless'))")
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
         self.ngram, self.learned, self.config = ngram, learned, config
@@ -99,11 +104,17 @@ class HybridProposer:
         if not bool(rest.any()):
             return ng
         ld = self.learned.propose(dataclasses.replace(ctx, active=rest), sampling, generator)
-        if ld.is_tree:
-            raise ValueError("HybridProposer combines chain drafts only")
+        if ld.aux is not None:
+            raise ValueError("HybridProposer cannot combine a draft with auxiliary tokens (lookahead)")
         if not bool(ng_rows.any()):
             return ld
         K = max(ng.tokens.shape[1], ld.tokens.shape[1])
+        parents = None
+        if ld.parents is not None:  # a tree learned draft (Medusa): n-gram rows are chains in it
+            chain = (torch.arange(K, device=dev) - 1).expand(B, K)  # (B, K)
+            parents = chain.clone()
+            parents[:, : ld.parents.shape[1]] = torch.where(rest.view(B, 1), ld.parents.to(dev),
+                                                           chain[:, : ld.parents.shape[1]])
         tokens = torch.full((B, K), -1, dtype=torch.long, device=dev)  # (B, K)
         tokens[:, : ld.tokens.shape[1]] = torch.where(rest.view(B, 1), ld.tokens.to(dev), -1)
         tokens[ng_rows, : ng.tokens.shape[1]] = ng.tokens.to(dev)[ng_rows]
@@ -115,14 +126,14 @@ class HybridProposer:
             q[:, : ld.q.shape[1]] = ld.q * rest.view(B, 1, 1)
             on = ng_rows.view(B, 1) & (tokens >= 0)  # (B, K) drafted n-gram positions
             q[on.nonzero(as_tuple=True) + (tokens[on],)] = 1.0
-        return Draft(tokens=tokens, lengths=lengths, q=q)
+        return Draft(tokens=tokens, lengths=lengths, q=q, parents=parents)
 
     def _propose_tree(self, ctx: Context, ng: Draft, sampling: SamplingConfig, generator: Generators) -> Draft:
         """Nodes [n-gram chain (a_b), learned chain (l_b)] per row; both chains hang from the root."""
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
         ld = self.learned.propose(ctx, sampling, generator)
         if ld.is_tree:
-            raise ValueError("HybridProposer combines chain drafts only")
+            raise ValueError("HybridConfig(mode='tree') combines chain drafts only")
         a = ng.lengths.to(dev) * ctx.active  # (B,)
         l_len = ld.lengths.to(dev) * ctx.active  # (B,)
         self._learned_draft = (ld.tokens.to(dev), l_len, ctx.lengths.clone())

@@ -86,7 +86,7 @@ class AuxBlock:
 @runtime_checkable
 class Proposer(Protocol):
     """Implemented by every method (draft_model.py, ngram.py, lookahead.py, eagle_head.py,
-    hybrid.py). generate.py relies on exactly this, and nothing else:
+    medusa_heads.py, mtp.py, hybrid.py). generate.py relies on exactly this, and nothing else:
 
     - `k`: the most draft tokens (chain) or nodes (tree) per row and step; a chain's length and a
       tree's depth never exceed it (generate.py sizes its buffers by it).
@@ -104,6 +104,8 @@ class Proposer(Protocol):
     - Optional `hidden_layers` (a tuple of layer indices, e.g. (-1,) for the final normed state):
       generate.py then passes the target's states of those layers of the tokens the last forward
       committed in ctx.hidden / ctx.hidden_len, to begin() (the prefill's) and to update().
+    - Optional `acceptance_rule`: None (rejection sampling, exact) or a typical.TypicalAcceptance:
+      then at T > 0 the step accepts by Medusa's typical acceptance instead (LOSSY, opt-in).
     - Optional `observe(aux_logits)`: called after the verification forward with the (B, E, V)
       logits of Draft.aux, before update() (lookahead decoding's Jacobi window).
     """

@@ -7,8 +7,10 @@ transformers' methods count target forwards with a forward hook (their first for
 which emits the first token). The trained draft (draft_model.load_trained_draft) has a reduced vocabulary (Vd
 rows in its LM head, token_map to target ids); for transformers' assisted generation it is wrapped
 so its head scatters the Vd logits into the full V with -inf elsewhere: the same draft, so q is 0
-outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain.
-Left out: Medusa, MTP, EAGLE-2 trees.
+outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain; Medusa
+the committed heads (medusa_heads.py) over the tree their file ships, with lossless acceptance
+(`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
+T = 0). Left out: EAGLE-2 trees.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import torch
 
 from ..costs import device_sync
 
-ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "hf_pld", "hf_assist")
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft",
+               "medusa", "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):
@@ -88,6 +91,30 @@ def _eagle_head(cfg, model):
     return load_eagle(model, WEIGHTS), eagle_info(WEIGHTS)["record"].get("heldout", {}).get("heldout_top1")
 
 
+def _mtp_stack(cfg, model):
+    """(the committed MTP modules, k) (untrained ones for the tiny test model); ValueError when none."""
+    from ..mtp import WEIGHTS, MTPStack, load_mtp
+
+    if cfg.model == "tiny":  # an untrained module: exercises the code path only
+        stack = MTPStack(model, torch.arange(0, model.config.vocab_size, 2))
+    elif cfg.model != "default":
+        raise ValueError("the trained MTP modules belong to the default model")
+    else:
+        stack = load_mtp(model, WEIGHTS)
+    return stack, cfg.draft_k or max(stack.num_modules, 3)
+
+
+def _medusa_heads(cfg, model):
+    """The committed Medusa heads (untrained ones for the tiny test model)."""
+    from ..medusa_heads import WEIGHTS, MedusaHeads, load_medusa
+
+    if cfg.model == "tiny":  # untrained heads: exercises the code path only
+        return MedusaHeads(model, 3, torch.arange(0, model.config.vocab_size, 2))
+    if cfg.model != "default":
+        raise ValueError("the trained Medusa heads belong to the default model")
+    return load_medusa(model, WEIGHTS)
+
+
 class _FullVocabHead(torch.nn.Module):
     """A reduced LM head (Vd rows) seen as a full one: logits scattered into V, -inf-like elsewhere,
     so transformers' assisted generation can use a reduced-vocabulary draft as `assistant_model`."""
@@ -150,6 +177,7 @@ def build_methods(cfg, model, eos, target) -> tuple:
     skipped: Dict[str, str] = {}
     trained: dict = {}  # loaded once for "draft", "hf_assist" and "hybrid_draft"
     eagle: dict = {}  # loaded once for "eagle" and "hybrid"
+    medusa: dict = {}  # the heads, loaded once for the three Medusa methods
     ngram: list = []  # the n-gram settings, measured once
 
     def ngram_config() -> NgramConfig:
@@ -256,6 +284,38 @@ def build_methods(cfg, model, eos, target) -> tuple:
                                       f"(k<={ec.k}; {_costs(ng)} / {_costs(ec)})",
                                       spec(lambda: HybridProposer(NgramProposer(ng), EagleProposer(head, ec), tree)),
                                       k=ec.k + ng.k))
+        elif name in ("medusa", "medusa_typical", "hybrid_medusa"):
+            try:
+                if "heads" not in medusa:
+                    medusa["heads"] = _medusa_heads(cfg, model)
+                heads = medusa["heads"]
+            except (ImportError, ValueError, FileNotFoundError) as e:
+                skipped[name] = f"no trained Medusa heads ({e})"
+                continue
+            from ..medusa_heads import MedusaConfig, MedusaProposer
+
+            mc = MedusaConfig(acceptance="typical" if name == "medusa_typical" else "lossless")
+            n_nodes = MedusaProposer(heads, mc).k
+            label = "typical acceptance, LOSSY at T > 0" if name == "medusa_typical" else "lossless"
+            if name == "hybrid_medusa":
+                ng = ngram_config()
+                methods.append(Method(name, f"specref n-gram, else Medusa heads ({n_nodes}-node tree; {_costs(ng)})",
+                                      spec(lambda h=heads, m=mc: HybridProposer(NgramProposer(ng), MedusaProposer(h, m))),
+                                      k=max(n_nodes, ng.k)))
+                continue
+            methods.append(Method(name, f"specref Medusa heads ({heads.num_heads} heads, {n_nodes}-node tree; {label})",
+                                  spec(lambda h=heads, m=mc: MedusaProposer(h, m)), k=n_nodes))
+        elif name == "mtp":
+            try:
+                stack, mk = _mtp_stack(cfg, model)
+            except (ImportError, ValueError, FileNotFoundError) as e:
+                skipped[name] = f"no trained MTP modules ({e})"
+                continue
+            from ..mtp import MTPConfig, MTPProposer
+
+            mtp_cfg = MTPConfig(k=mk)
+            methods.append(Method("mtp", f"specref MTP modules (D={stack.num_modules}, k={mk}; module D reused after)",
+                                  spec(lambda s=stack, c=mtp_cfg: MTPProposer(s, c)), k=mk))
         elif name == "hf_pld":
             methods.append(Method("hf_pld", "transformers prompt lookup (10)",
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))

@@ -15,6 +15,10 @@ after one untimed warm-up call of each method (32 tokens). Methods:
   hybrid     prompt lookup where it matches, else the EAGLE head (HybridProposer, mode "select")
   hybrid_tree  both of them every step, as two branches of one token tree (mode "tree")
   hybrid_draft prompt lookup, else the trained draft
+  medusa     specref Medusa heads over the tree their file ships (lossless tree acceptance)
+  medusa_typical  the same heads with Medusa's typical acceptance (LOSSY at T > 0)
+  hybrid_medusa   prompt lookup, else the Medusa heads' tree (HybridProposer, mode "select")
+  mtp        specref DeepSeek-V3-style MTP modules trained on the frozen target (chain)
   hf_pld     transformers prompt lookup (`prompt_lookup_num_tokens=10`)
   hf_assist  transformers assisted generation with the same trained draft as `assistant_model`;
              its Vd-row LM head is wrapped to scatter into the full V (-inf outside the map)

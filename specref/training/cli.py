@@ -1,7 +1,8 @@
-"""`python -m specref train`: self-distilled data, then the default model's trained draft or EAGLE head.
+"""`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads or MTP modules.
 
-The command line over training/data.py (the data), training/loop.py (the shared loop),
-training/draft.py and training/eagle.py (the two trained proposers) and training/evaluate.py
+The command line over training/data.py (self-distilled data), training/store.py (the feature
+store: `--method medusa` and `mtp` train on it), training/loop.py (the shared loop),
+training/draft.py, eagle.py, medusa.py and mtp.py (the trained proposers) and training/evaluate.py
 (`--measure-only`, `--eval`).
 """
 from __future__ import annotations
@@ -14,14 +15,21 @@ from .data import DistillConfig
 from .draft import DraftTrainConfig, run_training
 from .eagle import EagleTrainConfig, run_eagle_training
 from .loop import TrainConfig
+from .medusa import MedusaTrainConfig
 
 
 def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
-    ap.add_argument("--method", choices=("draft", "eagle"), default="draft",
-                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head")
+    ap.add_argument("--method", choices=("draft", "eagle", "medusa", "mtp"), default="draft",
+                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head; medusa: "
+                    "Medusa-1 heads on the feature store (`python -m specref data`); mtp: DeepSeek-V3 MTP modules")
+    ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
+    ap.add_argument("--store", default=None, help="medusa, mtp: the feature store folder (default: <specref "
+                    "cache>/store; mtp with --data: a self-distilled folder instead)")
+    ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
+    ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
@@ -49,14 +57,16 @@ def train_main(argv=None) -> int:
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=None, help="draft length for --eval (default: closed form)")
     ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="held-out evaluation interval")
+    ap.add_argument("--max-len", type=int, default=TrainConfig.max_len, help="tokens kept per training sequence")
     ap.add_argument("--measure-only", nargs="?", const="", default=None, metavar="PATH",
                     help="no training: measure a trained draft (default: the committed one) and exit")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.method == "eagle" and (a.measure_only is not None or a.eval):
-        raise ValueError("--measure-only/--eval measure the draft model; measure the EAGLE head with "
-                         "`python -m specref bench --methods ar eagle`")
+    if a.method != "draft" and (a.measure_only is not None or a.eval):
+        raise ValueError(f"--measure-only/--eval measure the draft model; measure the {a.method} method with "
+                         f"`python -m specref bench --methods ar {a.method}`")
     if a.measure_only is not None:
         from ..draft_model import WEIGHTS, load_trained_draft, trained_draft_info
         from ..models import load_default
@@ -74,7 +84,16 @@ def train_main(argv=None) -> int:
                              temperature=a.temperature, batch_size=a.gen_batch_size,
                              passage_prompts=a.passage_prompts)
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                            warmup_steps=a.warmup_steps)
+                            warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len)
+    if a.method == "medusa":
+        return _medusa(a, train_cfg)
+    if a.method == "mtp" and a.data:  # a self-distilled data folder, as EAGLE's command
+        from .mtp import MTPTrainConfig, run_mtp_command
+
+        return run_mtp_command(data_cfg, train_cfg, MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab),
+                               out=a.out, data=a.data, device=a.device, export=a.export)
+    if a.method == "mtp":
+        return _mtp(a, train_cfg)
     if a.method == "eagle":
         return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
                                                                         w_reg=a.w_reg),
@@ -83,3 +102,55 @@ def train_main(argv=None) -> int:
     return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
                         export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
                         eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
+
+
+def _from_store(a, name: str, heldout_fraction: float):
+    """The default model frozen, the feature store's (train, heldout) split, the run folder and a
+    record of the data. -> (target, train, heldout, out, record)"""
+    from pathlib import Path
+
+    from ..models import cache_root, load_default
+    from .store import read_store_manifest, store_split
+
+    store = Path(a.store) if a.store else cache_root() / "store"
+    man = read_store_manifest(store)
+    target, _ = load_default(device=a.device)
+    for q in target.parameters():
+        q.requires_grad_(False)
+    train, held = store_split(store, heldout_fraction=heldout_fraction, seed=a.seed)
+    out = Path(a.out) if a.out else cache_root() / "train" / f"{name}_seed{a.seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    rec = {"store": str(store), "manifest": {k: man.get(k) for k in ("model_fingerprint", "settings", "sources")},
+           "train_tokens": int(sum(len(s.tokens) for s in train)), "heldout_tokens": int(sum(len(s.tokens) for s in held))}
+    return target, train, held, out, rec
+
+
+def _export(path, export) -> None:
+    import shutil
+
+    print(f"saved {path}")
+    if export:
+        shutil.copyfile(path, export)
+        print(f"saved {export}")
+
+
+def _medusa(a, train_cfg: TrainConfig) -> int:
+    """Medusa-1 heads of the default model on the feature store; saved to the run folder and --export."""
+    from .medusa import run_medusa_training
+
+    cfg = MedusaTrainConfig(num_heads=a.medusa_heads, draft_vocab=a.draft_vocab, own_lm_head=a.own_lm_head)
+    target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
+    run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec)
+    _export(out / "medusa.safetensors", a.export)
+    return 0
+
+
+def _mtp(a, train_cfg: TrainConfig) -> int:
+    """MTP modules of the default model on the feature store; saved to the run folder and --export."""
+    from .mtp import MTPTrainConfig, run_mtp_training
+
+    cfg = MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab)
+    target, train, held, out, rec = _from_store(a, "mtp", cfg.heldout_fraction)
+    run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec)
+    _export(out / "mtp.safetensors", a.export)
+    return 0

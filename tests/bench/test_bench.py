@@ -63,9 +63,11 @@ def test_bench_end_to_end(qfile, tmp_path):
     assert OTHER in text and START in text and END in text and "bench.png" in text
     summ = res["summary"]
     # every method of the tiny setup ran (lookahead only once specref.lookahead exists)
-    expected = {"ar", "hf", "ngram", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "hf_pld", "hf_assist"}
+    expected = {"ar", "hf", "ngram", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "medusa",
+                "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist"}
     assert expected <= set(summ) and set(summ) | set(res["meta"]["skipped"]) == {
-        "ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "hf_pld", "hf_assist"}
+        "ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft", "medusa",
+        "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist"}
     assert set(summ["ar"]["per_category"]) == {"writing", "summarization", "coding"}
     for name, s in summ.items():
         recs = res["records"][name]

@@ -1,0 +1,242 @@
+"""Medusa: extra decoding heads on the target's last hidden state, verified as a token tree.
+
+Cai et al. 2024 ("Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads", Sec. 2.1.1): K heads read h_t, the target's final (normed) hidden state at position t,
+the state its own LM head reads to predict x_{t+1}; head k predicts x_{t+k+1}:
+
+    p_t^(k) = softmax(W_2^(k) (SiLU(W_1^(k) h_t + b^(k)) + h_t))      k = 1..K
+
+W_1 starts at zero (a fresh head is the identity followed by an LM head); W_2 is the target's LM
+head (shared and frozen here, as EAGLE's; `own_lm_head=True` gives each head a trainable copy, as
+Medusa-1 trains). W_2 may be restricted to a reduced draft vocabulary of the Vd most frequent
+target tokens (`token_map`, the trained draft's device): the projection is the costly part
+(576 x 49152 = 28M parameters per head for the default model), and since the heads' drafts are
+deterministic (q one-hot) tokens outside the vocabulary are never drafted and come from the
+residual: lossless.
+
+In specref's loop (proposer.py) the root of every step is the pending token x_r, already sampled,
+whose feature does not exist yet; the newest feature is h_{r-1} (the token before it, which
+predicted x_r). Head d applied to h_{r-1} therefore drafts position r + d: depth d of the tree.
+The tree is Medusa's `medusa_choices` (medusa_tree.py: a default sized for this CPU, or the tree
+built from measured head accuracies that the trained file stores). Acceptance (MedusaConfig):
+- temperature 0: the longest path whose every token is the target's argmax (exact);
+- "lossless": recursive rejection sampling over the deterministic siblings (rejection.py,
+  q one-hot per node): distributed exactly as p;
+- "typical": Medusa's typical acceptance (typical.py, Sec. 2.3.1), LOSSY.
+Training (Medusa-1, frozen target): training/medusa.py. Left out: Medusa-2 (joint training with
+the target), self-distillation on the target's own answers (the data is training's business).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from .costs import device_sync, median_block_times
+from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays
+from .proposer import Context, Draft, Generators
+from .sampling import SamplingConfig
+from .target import Target
+from .typical import TypicalAcceptance
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+
+FORMAT = "specref-medusa-1"
+WEIGHTS = FOLDER / "smollm2_135m_medusa.safetensors"
+
+
+class ResBlock(torch.nn.Module):
+    """x + SiLU(W x + b), W and b zero-initialised: the identity at the start of training."""
+
+    def __init__(self, D: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(D, D)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.silu(self.linear(x))  # (..., D)
+
+
+class MedusaHeads(torch.nn.Module):
+    """K heads over the target's final normed state, each num_layers ResBlocks and an LM head over
+    the draft vocabulary token_map (default: the whole vocabulary)."""
+
+    def __init__(self, target: torch.nn.Module, num_heads: int = 3, token_map: Optional[torch.Tensor] = None, *,
+                 num_layers: int = 1, own_lm_head: bool = False):
+        super().__init__()
+        out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+        if out is None or not hasattr(out, "weight"):
+            raise ValueError(f"{type(target).__name__} has no output embedding (LM head); Medusa needs one")
+        for name, v in (("num_heads", num_heads), ("num_layers", num_layers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        W = out.weight.detach()  # (V, D)
+        V, D = W.shape
+        token_map = torch.arange(V) if token_map is None else torch.as_tensor(token_map, dtype=torch.long)
+        if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
+            raise ValueError(f"token_map must be a 1-D tensor of >= 2 target ids in [0, {V})")
+        self.vocab_size, self.hidden_size, self.num_heads = int(V), int(D), num_heads
+        self.num_layers, self.own_lm_head = num_layers, bool(own_lm_head)
+        dev, dt = W.device, W.dtype
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*[ResBlock(D) for _ in range(num_layers)]) for _ in range(num_heads)).to(dev, dt)
+        rows = W[token_map.to(dev)]  # (Vd, D) the target's LM head restricted to the draft vocabulary
+        n_proj = num_heads if own_lm_head else 1
+        self.lm_heads = torch.nn.ModuleList(torch.nn.Linear(D, rows.shape[0], bias=False) for _ in range(n_proj)).to(dev, dt)
+        with torch.no_grad():
+            for lm in self.lm_heads:
+                lm.weight.copy_(rows)
+                lm.weight.requires_grad_(own_lm_head)
+        self.register_buffer("token_map", token_map.to(dev), persistent=False)  # (Vd,)
+        self.choices: Optional[List[Tuple[int, ...]]] = None  # the tree a trained file ships, if any
+
+    def forward(self, h: torch.Tensor, heads: Optional[int] = None) -> torch.Tensor:
+        """h (..., D) final normed states -> logits (..., heads, Vd) of the first `heads` heads."""
+        n = self.num_heads if heads is None else heads
+        outs = [self.lm_heads[k if self.own_lm_head else 0](self.blocks[k](h)) for k in range(n)]  # (..., Vd) each
+        return torch.stack(outs, dim=-2)  # (..., n, Vd)
+
+    def trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return [(n, q) for n, q in self.named_parameters() if q.requires_grad]
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Settings of the Medusa tree proposer."""
+
+    choices: Optional[Tuple[Tuple[int, ...], ...]] = None  # the tree (medusa_tree.py); None: the tree the
+    # heads' file ships (built from its held-out accuracies), else medusa_tree.DEFAULT_CHOICES
+    acceptance: str = "lossless"  # T > 0: "lossless" (rejection sampling, exact) or "typical" (LOSSY)
+    posterior_threshold: float = 0.09  # typical: epsilon (Medusa's default)
+    posterior_alpha: float = 0.3  # typical: delta (Medusa's default)
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ("lossless", "typical"):
+            raise ValueError(f"acceptance must be 'lossless' or 'typical', got {self.acceptance!r}")
+        TypicalAcceptance(self.posterior_threshold, self.posterior_alpha)  # ValueError on bad values
+
+
+class MedusaProposer:
+    """Proposer protocol: one tree per row and step from the heads' top tokens (q = None: the
+    siblings are deterministic, distinct top-s tokens). k = the tree's node count."""
+
+    hidden_layers = (-1,)  # the target's final normed state
+
+    def __init__(self, heads: MedusaHeads, config: MedusaConfig = MedusaConfig()):
+        if not isinstance(heads, MedusaHeads):
+            raise ValueError(f"heads must be MedusaHeads, got {type(heads).__name__}")
+        if not isinstance(config, MedusaConfig):
+            raise ValueError(f"config must be a MedusaConfig, got {type(config).__name__}")
+        self.heads, self.config = heads.eval(), config
+        self.choices = check_choices(config.choices or heads.choices or DEFAULT_CHOICES, heads.num_heads)
+        self.parents, self.head_of, self.rank = (t.to(heads.token_map.device) for t in tree_arrays(self.choices))
+        self.k = len(self.choices)  # nodes per tree
+        self.depth = int(self.head_of.max()) + 1  # heads the tree uses
+        self.top_s = int(self.rank.max()) + 1  # ranks it reads per head
+        if self.top_s > heads.token_map.numel():
+            raise ValueError(f"the tree reads rank {self.top_s - 1} but the draft vocabulary has "
+                             f"{heads.token_map.numel()} tokens")
+        self.vocab_size = heads.vocab_size
+        # generate.py reads `acceptance_rule`: None = rejection sampling, else typical acceptance
+        self.acceptance_rule = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
+                           if config.acceptance == "typical" else None)
+        self.last: Optional[torch.Tensor] = None
+
+    def _store(self, ctx: Context) -> None:
+        """Keep each row's newest feature: h at the token before the pending one."""
+        if ctx.hidden is None or ctx.hidden_len is None:
+            raise ValueError("MedusaProposer needs the target's features: run it through speculative_generate, "
+                             "which passes them when the proposer sets `hidden_layers`")
+        B, W, D = ctx.hidden.shape
+        if D != self.heads.hidden_size:
+            raise ValueError(f"features have width {D}, the heads expect {self.heads.hidden_size}")
+        n = ctx.hidden_len.to(ctx.hidden.device)  # (B,)
+        if W == 0:
+            return
+        newest = ctx.hidden[torch.arange(B, device=ctx.hidden.device), (n - 1).clamp(min=0)]  # (B, D)
+        fresh = n > 0  # (B,) rows whose last forward committed tokens
+        self.last = torch.where(fresh[:, None], newest.to(self.last), self.last)  # (B, D)
+        self.has |= fresh
+
+    def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
+        B, dev = ctx.tokens.shape[0], ctx.tokens.device
+        w = self.heads.lm_heads[0].weight
+        self.last = torch.zeros(B, self.heads.hidden_size, device=dev, dtype=w.dtype)  # (B, D)
+        self.has = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a feature seen (prompt > 1 token)
+        self._store(ctx)
+
+    @torch.no_grad()
+    def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        if self.last is None:
+            raise ValueError("MedusaProposer.propose() called before begin()")
+        B, N = ctx.tokens.shape[0], self.k
+        z = self.heads(self.last, heads=self.depth)  # (B, depth, Vd)
+        top = z.topk(self.top_s, dim=-1).indices  # (B, depth, S) draft ids, most likely first
+        ids = top[:, self.head_of, self.rank]  # (B, N) node n: head_of[n]'s rank[n] token
+        tokens = self.heads.token_map[ids]  # (B, N) target ids
+        lengths = N * (ctx.active & self.has).long()  # (B,)
+        tokens = torch.where(lengths[:, None] > 0, tokens, -1)  # (B, N)
+        return Draft(tokens=tokens, lengths=lengths, parents=self.parents.expand(B, N).clone())
+
+    def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        self._store(ctx)
+
+
+@torch.no_grad()
+def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, reps: int = 21) -> dict:
+    """Median seconds of the heads' step (one row, `depth` heads + top-k) and of a 1-token target
+    forward on a 200-token cache; c = their ratio."""
+    tgt = target if isinstance(target, Target) else Target(target)
+    t_target = median_block_times(tgt, [1], 200, 15, warmup=2)[1]
+    w = heads.lm_heads[0].weight
+    h = torch.randn(1, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, D)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        heads(h, heads=depth).topk(4, dim=-1)
+        device_sync(w.device)
+        times.append(time.perf_counter() - t0)
+    t_heads = sorted(times[2:])[reps // 2]
+    return {"t_target": t_target, "t_draft": t_heads, "c": t_heads / t_target}
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def save_medusa(path, heads: MedusaHeads, target_fingerprint: str, record: dict,
+                choices: Optional[List[Tuple[int, ...]]] = None, dtype: torch.dtype = torch.float16) -> None:
+    """The trained tensors + token_map + architecture + the tree to ship + a record, as safetensors."""
+    tensors = {n: q.detach().to(dtype).cpu() for n, q in heads.trainable()}
+    tensors["token_map"] = heads.token_map.to(torch.int32).cpu()
+    arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head}
+    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
+                                 "arch": json.dumps(arch), "choices": json.dumps(choices or []),
+                                 "record": json.dumps(record)})
+
+
+def medusa_info(path=WEIGHTS) -> dict:
+    """The metadata of a Medusa heads file: target_fingerprint, arch, choices, record (dict)."""
+    meta = weights_info(path, FORMAT, "Medusa heads file", "train them with `python -m specref train --method medusa`")
+    meta["arch"] = json.loads(meta.get("arch", "{}"))
+    meta["choices"] = [tuple(c) for c in json.loads(meta.get("choices", "[]"))]
+    return meta
+
+
+def load_medusa(target: torch.nn.Module, path=WEIGHTS) -> MedusaHeads:
+    """MedusaHeads for `target` with the weights of a file written by save_medusa (default: the
+    committed heads of the default model); ValueError if the file was trained for another model."""
+    meta = medusa_info(path)
+    fp = fingerprint(target)
+    if meta.get("target_fingerprint") != fp:
+        raise ValueError(f"{path} holds Medusa heads for the model with fingerprint "
+                         f"{meta.get('target_fingerprint')!r}, not this one ({fp!r}): heads read one "
+                         "model's hidden states and mean nothing on another's")
+    a = meta["arch"]
+    heads = MedusaHeads(target, a.get("num_heads", 3), load_token_map(path), num_layers=a.get("num_layers", 1),
+                        own_lm_head=a.get("own_lm_head", False))
+    load_tensors(path, dict(heads.trainable()), "Medusa heads")
+    heads.choices = meta["choices"] or None
+    return heads.eval()

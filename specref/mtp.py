@@ -1,0 +1,377 @@
+"""Multi-token prediction (MTP) modules as a draft: DeepSeek-V3's sequential heads (DeepSeek-AI 2024).
+
+DeepSeek-V3 technical report, Sec. 2.2: D sequential modules; module k (k = 1..D) at position i
+reads the representation h^{k-1}_i of the depth before (h^0_i: the main model's) and the embedding
+of token t_{i+k}, and predicts t_{i+k+1}:
+
+    h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)]   (enorm, hnorm; M_k = eh_proj, 2D -> D)
+    h^k_{1:T-k} = TRM_k(h'^k_{1:T-k})                          (one transformer block, causal)
+    P^k_{i+k+1} = OutHead(h^k_i)                               (the SHARED output head: norm + LM head)
+
+The concatenation order [emb; h] is the one of the released weights as vLLM's deepseek_mtp reads
+them (the report's equation writes the two the other way round). The embedding and the output
+head are the target's, shared and frozen here; the block starts as a copy of the target's last
+decoder layer (our choice, as EagleHead's). Here h^0 is the target's final normed state (what its
+LM head reads: `hidden_layers = (-1,)`, as vLLM passes it); h^k is the block's output before the
+module's own `shared_head.norm`. An optional reduced draft vocabulary (`token_map` to target ids)
+restricts the head's rows; q is 0 outside it, which keeps speculative sampling lossless.
+
+Drafting (a chain): with x_0..x_{L-1} committed (x_{L-1} pending, the target has no feature for it
+yet) all depths predict from position i = L-2: module 1 drafts x_L; module d drafts x_{L-1+d} from
+h^{d-1}_{L-2} and the draft x_{L-2+d}. Each module keeps its own KV cache of positions whose inputs
+are all TRUE (module d: i <= L-1-d), caught up on newly committed positions every step; module d's
+positions L-d..L-2 read drafted tokens, so they are a speculative block of d-1 slots (their h^{d-1}
+come from module d-1's own block), dropped after verification. Past depth D, module D is reused on
+its own output one position further per token (h^D_{i-1} standing in for h^{D-1}_i), which is how
+D = 1 drafts more than one token (vLLM's chain for DeepSeek's single module). vLLM runs every depth
+that way, one position further with module (step mod D); depths d <= D here instead give module d
+the inputs the report trains it on.
+
+MTP vs EAGLE-1 (eagle_head.py). Different: one module per depth (module d drafts depth d) where
+EAGLE reuses its one head at every depth; DeepSeek trains the modules WITH the model (the loss
+lambda * mean_k L_MTP^k beside the main loss; training/mtp.py trains them on a frozen target, the
+only option for a model that ships none); CE only, no feature regression; no bias in the
+projection. The same: the input pair (feature, next token's embedding) and norms, the projection
+2D -> D, one decoder layer, the shared frozen LM head, the cache dance (true catch-up, speculative
+slots dropped), and D = 1 reused past depth 1 is EAGLE-1's chain.
+Left out: the main model's own next-token loss (the target is frozen), vLLM's zeroed embedding at
+position 0, trees over the MTP drafts, adaptive draft lengths. `load_native_mtp` reads the
+DeepSeek-V3 layout but has only run on tiny random checkpoints written in it, not on a real model.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import operator
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .backends.cpu_linear import PackedLinears, packing_available
+from .checks import normalise_ints
+from .draft_model import to_target_vocab
+from .kv_rollback import SpecCache
+from .proposer import Context, Draft, Generators
+from .sampling import SamplingConfig, logits_to_probs, sample_rows
+from .target import additive_mask, attending
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+
+FORMAT = "specref-mtp-1"
+WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors"
+
+
+def _count(value, name: str) -> int:
+    """An int >= 1 from an int, a numpy integer or a 0-d integer tensor; else ValueError naming it."""
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if isinstance(value, bool) or n is None or n < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return n
+
+
+class MTPModule(torch.nn.Module):
+    """One depth: enorm, hnorm, eh_proj (2D -> D, no bias), one block, its shared_head.norm."""
+
+    def __init__(self, inner: torch.nn.Module, seed: int):
+        super().__init__()
+        D = inner.norm.weight.shape[0]
+        self.enorm, self.hnorm = copy.deepcopy(inner.norm), copy.deepcopy(inner.norm)
+        for n in (self.enorm, self.hnorm):
+            torch.nn.init.ones_(n.weight)
+        w = inner.norm.weight
+        self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+        with torch.no_grad():  # nn.Linear's default range, from an explicit generator
+            bound, g = (2 * D) ** -0.5, torch.Generator().manual_seed(seed)
+            self.eh_proj.weight.uniform_(-bound, bound, generator=g)
+        self.eh_proj.to(device=w.device, dtype=w.dtype)
+        self.block = copy.deepcopy(inner.layers[-1])
+        self.block.self_attn.layer_idx = 0  # each module's cache has one layer
+        self.norm = copy.deepcopy(inner.norm)  # shared_head.norm: the output head's norm, per module
+        self.requires_grad_(True)  # copies of a (usually frozen) target's modules: trained here
+
+
+class MTPStack(torch.nn.Module):
+    """D MTP modules over a target; the target's embedding and rotary embedding by reference, its LM
+    head rows `token_map` as the shared frozen output head."""
+
+    def __init__(self, target: torch.nn.Module, token_map: Optional[torch.Tensor] = None, num_modules: int = 1,
+                 seed: int = 0):
+        """token_map (Vd,): target ids of the draft vocabulary (None: all); num_modules: D; seed: the
+        projections' initialisation (module d gets seed + d; the rest starts as copies of the target's)."""
+        super().__init__()
+        inner = getattr(target, "model", None)
+        if getattr(inner, "layers", None) is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
+            raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
+                             "model.norm, model.rotary_emb); MTP modules need one")
+        head = target.get_output_embeddings().weight.detach()  # (V, D)
+        V, D = head.shape
+        token_map = torch.arange(V) if token_map is None else torch.as_tensor(token_map, dtype=torch.long)
+        if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
+            raise ValueError(f"token_map must be a 1-D tensor of >= 2 target ids in [0, {V})")
+        self.vocab_size, self.hidden_size, self.num_modules = int(V), int(D), _count(num_modules, "num_modules")
+        self.layers = torch.nn.ModuleList(MTPModule(inner, seed + d) for d in range(self.num_modules))
+        self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=head.device, dtype=head.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("token_map", token_map.to(head.device), persistent=False)  # (Vd,)
+        self._shared = (inner.embed_tokens, inner.rotary_emb)  # not submodules: never trained or saved
+
+    def forward(self, d: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                mask: Optional[torch.Tensor], cache=None) -> torch.Tensor:
+        """Module d (0-based): h_prev (B, Q, D) h^{d}_i, tokens (B, Q) t_{i+d+1}, positions (B, Q),
+        mask (B, 1, Q, S) additive or None -> h^{d+1}_i (B, Q, D)."""
+        m, (embed, rotary) = self.layers[d], self._shared
+        e = embed(tokens.clamp(min=0)).to(h_prev.dtype)  # (B, Q, D)
+        g = m.eh_proj(torch.cat([m.enorm(e), m.hnorm(h_prev)], dim=-1))  # (B, Q, D)
+        pe = rotary(g, position_ids=positions)  # (cos, sin), each (B, Q, head_dim)
+        return m.block(g, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
+                       position_embeddings=pe)  # (B, Q, D)
+
+    def logits(self, d: int, h: torch.Tensor) -> torch.Tensor:
+        """OutHead of module d: the shared LM head over its norm. (..., D) -> (..., Vd)"""
+        return self.lm_head(self.layers[d].norm(h))  # (..., Vd)
+
+    def trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return [(n, q) for n, q in self.named_parameters() if q.requires_grad]
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """Settings of the MTP chain proposer."""
+
+    k: int = 3  # draft tokens per step; depth d <= D drafts with module d, deeper ones reuse module D
+    greedy_draft: bool = False  # draft argmax tokens (q = None) even when the target samples
+    modules: Optional[int] = None  # draft with the first `modules` modules only (None: all D);
+    # 1 is how DeepSeek-V3 is served (its one module reused for every further draft token)
+
+    def __post_init__(self) -> None:
+        normalise_ints(self, "k", "modules")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be an int >= 1, got {self.k!r}")
+        if self.modules is not None and (isinstance(self.modules, bool) or not isinstance(self.modules, int)
+                                         or self.modules < 1):
+            raise ValueError(f"modules must be None or an int >= 1, got {self.modules!r}")
+
+
+class MTPProposer:
+    """Proposer protocol: chain drafts from an MTPStack, one module per depth (module D past depth D)."""
+
+    hidden_layers = (-1,)  # h^0: the target's final normed state, what its LM head reads
+
+    def __init__(self, stack: MTPStack, config: MTPConfig = MTPConfig()):
+        if not isinstance(stack, MTPStack):
+            raise ValueError(f"stack must be an MTPStack, got {type(stack).__name__}")
+        n = stack.num_modules if config.modules is None else config.modules
+        if n > stack.num_modules:
+            raise ValueError(f"MTPConfig.modules = {n}, but the stack has {stack.num_modules} module(s)")
+        self.stack, self.config, self.k = stack.eval(), config, config.k
+        self.D = min(n, config.k)  # modules in use (deeper ones would never draft)
+        self.vocab_size = stack.vocab_size
+        self.caches: List[SpecCache] = []
+        dev = stack.lm_head.weight.device
+        self.packed = PackedLinears.of(stack) if dev.type == "cpu" and packing_available() else None
+
+    def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
+        B, T = ctx.tokens.shape
+        dev, dt = ctx.tokens.device, self.stack.lm_head.weight.dtype
+        # 2T slots: a row left out for some steps catches up in one block later (as EagleProposer)
+        self.caches = [SpecCache(1, B, 2 * T + self.k + 2, dev) for _ in range(self.D)]
+        # h[d] (B, T, D): module d's outputs at its true positions (h[0]: the target's features)
+        self.h = [torch.zeros(B, T, self.stack.hidden_size, device=dev, dtype=dt) for _ in range(max(self.D, 2))]
+        self.base = [torch.zeros(B, dtype=torch.long, device=dev) for _ in range(self.D)]  # (B,) true positions
+        self._store(ctx)
+
+    def _store(self, ctx: Context) -> None:
+        """The target's features ctx.hidden (rows valid: ctx.hidden_len) into h[0] at their positions."""
+        if ctx.hidden is None or ctx.hidden_len is None:
+            raise ValueError("MTPProposer needs the target's features: run it through speculative_generate, "
+                             "which passes them when the proposer sets `hidden_layers`")
+        B, W, D = ctx.hidden.shape
+        if D != self.stack.hidden_size:
+            raise ValueError(f"features have width {D}, the MTP modules expect {self.stack.hidden_size}")
+        self._put(0, ctx.lengths - 1 - ctx.hidden_len, ctx.hidden, ctx.hidden_len)
+
+    def _put(self, d: int, start: torch.Tensor, vals: torch.Tensor, n: torch.Tensor) -> None:
+        """h[d][b, start[b] + j] = vals[b, j] for j < n[b]."""
+        B, W, _ = vals.shape
+        j = torch.arange(W, device=vals.device).view(1, W)  # (1, W)
+        ok = j < n.view(B, 1)  # (B, W)
+        rows = torch.arange(B, device=vals.device).view(B, 1).expand(B, W)  # (B, W)
+        self.h[d][rows[ok], (start.view(B, 1) + j)[ok]] = vals[ok].to(self.h[d])
+
+    def _forward(self, d: int, h_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
+        """Module d (0-based) over a block (B, Q) at its cache's next slots (position = slot). -> (B, Q, D)"""
+        cache = self.caches[d]
+        slots = cache.begin_block(x_in.shape[1])  # (B, Q)
+        S = int(slots.max()) + 1
+        allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S)
+        with attending(cache, S):
+            return self.stack(d, h_in, x_in, slots, additive_mask(allowed, h_in.dtype), cache=cache)
+
+    @torch.no_grad()
+    def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        if not self.caches:
+            raise ValueError("MTPProposer.propose() called before begin()")
+        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+            return self._propose(ctx, sampling, generator)
+
+    def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        B, T = ctx.tokens.shape
+        dev, k, D, L, act = ctx.tokens.device, self.k, self.D, ctx.lengths, ctx.active
+        rows = torch.arange(B, device=dev)  # (B,)
+        # 1. catch up: module d (1-based) at positions base_d .. L-1-d, all inputs true
+        for d in range(1, D + 1):
+            todo = (L - d - self.base[d - 1]).clamp(min=0) * act  # (B,)
+            W = max(int(todo.max()), 1)
+            t = (self.base[d - 1].view(B, 1) + torch.arange(W, device=dev)).clamp(max=T - 1 - d)  # (B, W)
+            h_in = self.h[d - 1].gather(1, t.unsqueeze(-1).expand(B, W, self.stack.hidden_size))  # (B, W, D)
+            out = self._forward(d - 1, h_in, ctx.tokens.gather(1, t + d))  # (B, W, D) h^d at t
+            if d < len(self.h):
+                self._put(d, self.base[d - 1], out, todo)
+            self.caches[d - 1].commit(todo)
+            self.base[d - 1] = self.base[d - 1] + todo
+        # 2. draft: depth 1 from h^1_{L-2}; depth j <= D from module j's block at L-j .. L-2
+        last = self.h[1][rows, (L - 2).clamp(min=0)]  # (B, D)
+        spec = last.new_zeros(B, 0, last.shape[-1])  # (B, j-2, D) module j-1's block outputs
+        tokens, qs = [], []
+        for j in range(1, k + 1):
+            if 2 <= j <= D:
+                h0 = self.h[j - 1][rows, (L - j).clamp(min=0)].unsqueeze(1)  # (B, 1, D) true h^{j-1}_{L-j}
+                spec = self._forward(j - 1, torch.cat([h0, spec], dim=1), torch.stack(tokens, dim=1))  # (B, j-1, D)
+                self.caches[j - 1].commit(act.long() * (j - 1))
+                last = spec[:, -1]  # (B, D) h^j_{L-2}
+            elif j > D:  # module D one position further, on its own output
+                last = self._forward(D - 1, last.unsqueeze(1), tokens[-1].view(B, 1))[:, 0]  # (B, D)
+                self.caches[D - 1].commit(act.long())
+            logits = self.stack.logits(min(j, D) - 1, last).float()  # (B, Vd)
+            if sampling.greedy or self.config.greedy_draft:
+                x = logits.argmax(-1)  # (B,) draft ids
+            else:
+                q_j = logits_to_probs(logits, sampling)  # (B, Vd)
+                x = sample_rows(q_j, generator, act)  # (B,) rows outside ctx.active draw nothing
+                qs.append(to_target_vocab(q_j, self.stack.token_map, self.vocab_size))  # (B, V)
+            tokens.append(self.stack.token_map[x])  # (B,) target ids
+        toks = torch.stack(tokens, dim=1)  # (B, k)
+        lengths = act.long() * k  # (B,)
+        toks = torch.where(act.view(B, 1), toks, torch.full_like(toks, -1))  # (B, k)
+        return Draft(tokens=toks, lengths=lengths, q=torch.stack(qs, dim=1) if qs else None)
+
+    def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
+        # 4. roll back every module's speculative slots; keep the new true features
+        for cache, base in zip(self.caches, self.base):
+            cache.rollback_to(torch.minimum(cache.lengths, base))
+        self._store(ctx)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def save_mtp(path, stack: MTPStack, target_fingerprint: str, record: dict, dtype: torch.dtype = torch.float16) -> None:
+    """The trained tensors + token_map + a training record, as safetensors (atomic)."""
+    tensors = {n: q.detach().to(dtype).cpu() for n, q in stack.trainable()}
+    tensors["token_map"] = stack.token_map.to(torch.int32).cpu()
+    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
+                                 "num_modules": str(stack.num_modules), "record": json.dumps(record)})
+
+
+def mtp_info(path=WEIGHTS) -> dict:
+    """The metadata of an MTP file: target_fingerprint, num_modules, record (dict)."""
+    return weights_info(path, FORMAT, "MTP modules", "train them with `python -m specref train --method mtp`")
+
+
+def load_mtp(target: torch.nn.Module, path=WEIGHTS) -> MTPStack:
+    """An MTPStack for `target` with the weights of a file written by save_mtp (default: the
+    committed modules of the default model)."""
+    meta = mtp_info(path)
+    if meta.get("target_fingerprint") != fingerprint(target):
+        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
+                      "it stays lossless but may be accepted rarely")
+    stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)))
+    load_tensors(path, dict(stack.trainable()), "MTP modules")
+    return stack.eval()
+
+
+def _native_tensors(src, first_layer: int) -> Dict[int, Dict[str, torch.Tensor]]:
+    """{layer index >= first_layer: {name inside the layer: tensor}} of the tensors named
+    model.layers.<i>.* in a state dict, a .safetensors file or a folder of them (read once)."""
+    def wanted(name: str):
+        parts = name.split(".", 3)
+        ok = (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+              and int(parts[2]) >= first_layer)
+        return (int(parts[2]), parts[3]) if ok and "rotary_emb" not in parts[3] else None
+
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    if isinstance(src, dict):
+        items = src.items()
+    else:
+        from safetensors import safe_open
+
+        p = Path(src)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files or not files[0].is_file():
+            raise ValueError(f"{src} is neither a state dict, a .safetensors file nor a folder holding some")
+        items = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as s:
+                items += [(n, s.get_tensor(n)) for n in s.keys() if wanted(n)]
+    for name, t in items:
+        w = wanted(name)
+        if w is not None:
+            out.setdefault(w[0], {})[w[1]] = t
+    return out
+
+
+def load_native_mtp(target: torch.nn.Module, state_dict_or_path: Union[dict, str, Path], *,
+                    num_modules: Optional[int] = None, token_map: Optional[torch.Tensor] = None) -> MTPStack:
+    """An MTPStack from a checkpoint that ships MTP layers in the DeepSeek-V3 layout: layer
+    num_hidden_layers + j is module j, with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    `shared_head.head` and the block's tensors under their decoder-layer names (`embed_tokens`
+    optional). Embedding and head stay the target's (shared; a warning if the file's differ); the block
+    must have the structure of the target's last layer. ValueError names a missing or misshaped tensor.
+    num_modules: the first n MTP layers (None: all found); token_map: a reduced draft vocabulary."""
+    n_layers = int(target.config.num_hidden_layers)
+    layers = _native_tensors(state_dict_or_path, n_layers)
+    found = 0
+    while n_layers + found in layers:
+        found += 1
+    if not found:
+        raise ValueError(f"no MTP layer in the checkpoint: expected tensors named model.layers.{n_layers}.* "
+                         f"(the layer after the target's {n_layers} decoder layers)")
+    n = found if num_modules is None else _count(num_modules, "num_modules")
+    if n > found:
+        raise ValueError(f"num_modules = {n}, but the checkpoint has {found} MTP layer(s)")
+    stack = MTPStack(target, token_map, num_modules=n)
+    shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
+              "shared_head.head.weight": target.get_output_embeddings().weight}
+    for j, m in enumerate(stack.layers):
+        pre, got = f"model.layers.{n_layers + j}.", layers[n_layers + j]
+        want = {"enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
+                "shared_head.norm.weight": m.norm.weight, **m.block.state_dict(keep_vars=True)}
+        extra = sorted(set(got) - set(want) - set(shared))
+        if extra:
+            raise ValueError(f"unexpected MTP tensor {pre + extra[0]!r}: the MTP block must have the structure "
+                             "of the target's last decoder layer")
+        for name in sorted(want) + ["shared_head.head.weight"]:
+            if name not in got:
+                raise ValueError(f"the checkpoint lacks the MTP tensor {pre + name!r}")
+        for name, ref in {**want, **shared}.items():
+            if name in got and tuple(got[name].shape) != tuple(ref.shape):
+                raise ValueError(f"MTP tensor {pre + name!r} has shape {tuple(got[name].shape)}, "
+                                 f"expected {tuple(ref.shape)}")
+        with torch.no_grad():
+            for name, ref in want.items():
+                ref.copy_(got[name].to(device=ref.device, dtype=ref.dtype))
+        for name, ref in shared.items():
+            if name in got and not torch.allclose(got[name].to(ref), ref.detach(), atol=1e-3, rtol=1e-3):
+                warnings.warn(f"{pre + name} differs from the target's; MTP shares the target's, which is used")
+    return stack.eval()

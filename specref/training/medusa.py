@@ -1,0 +1,152 @@
+"""Training Medusa heads (medusa_heads.py) on a frozen target with the shared loop (training/loop.py).
+
+Cai et al. 2024 (Medusa-1, Sec. 2.2.1): the target is frozen and only the heads learn, from the
+target's features. Head k at position t reads h_t and is trained towards the token at t+k+1:
+
+    L_Medusa-1 = sum_{k=1..K} lambda_k CE(p_t^(k), y_{t+k+1}),     lambda_k = lambda^k (paper: 0.8^k)
+
+The label here is the target's own distribution at position t+k (its stored top-k log-probs,
+soft cross-entropy over the heads' draft vocabulary): what the target would sample, the
+self-distillation the paper recommends (Sec. 2.3.2) without generating text.
+
+Held-out metrics per head k: top1 (the head's argmax = the target's argmax at t+k) and, for the
+tree builder (medusa_tree.best_tree), the rate at which each rank i < `ranks` of the head is the
+target's argmax: a_k(i). `run_medusa_training` trains, measures the verify-cost curve and the
+heads' cost on this machine, builds the tree that maximises the predicted speed-up and saves
+heads, tree and numbers in one safetensors file.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..costs import measure_verify_cost
+from ..medusa_heads import MedusaHeads, measure_heads_cost, save_medusa
+from ..medusa_tree import best_tree
+from ..weights import fingerprint
+from .data import Batch, Seq
+from .draft import build_token_map
+from .loop import TrainConfig, fit
+
+
+@dataclass(frozen=True)
+class MedusaTrainConfig:
+    """Settings of Medusa-1 head training."""
+
+    num_heads: int = 3  # K: heads for positions t+2 .. t+K+1
+    num_layers: int = 1  # ResBlocks per head (Medusa's default: 1)
+    draft_vocab: int = 8192  # Vd: most frequent target tokens of the data (0: the whole vocabulary)
+    own_lm_head: bool = False  # True: each head trains its own copy of the LM head (Medusa-1's)
+    decay: float = 0.8  # lambda: head k's loss weight is decay ** k
+    ranks: int = 8  # held-out: per-rank accuracies a_k(i) for i < ranks (the tree builder's input)
+    heldout_fraction: float = 0.05  # sequences held out
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers", "ranks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab == 1 \
+                or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be 0 (whole vocabulary) or an int >= 2, got {self.draft_vocab!r}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
+
+
+class MedusaTask:
+    """TrainTask (loop.py) of Medusa heads: batches need `features` (the target's final normed
+    states) and the stored top-k."""
+
+    def __init__(self, heads: MedusaHeads, config: MedusaTrainConfig = MedusaTrainConfig()):
+        self.module, self.config = heads, config
+        dev = heads.token_map.device
+        self.inv = torch.full((heads.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,) target -> draft id
+        self.inv[heads.token_map] = torch.arange(heads.token_map.numel(), device=dev)
+
+    def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        return self.module.trainable()
+
+    def _head(self, batch: Batch, k: int):
+        """Head k (1-based) at every position t whose label (the top-k stored at t+k) exists.
+        -> (log q (N, Vd), label ids (N, Kp), label probs (N, Kp), log q at the labels (N, Kp), valid)"""
+        if batch.features is None or batch.topk_ids is None:
+            raise ValueError("Medusa training needs batches with target features and stored top-k")
+        T = batch.tokens.shape[1]
+        m = batch.loss_mask[:, k:] & batch.attention[:, :T - k]  # (B, T-k) label at t+k, feature at t
+        h = batch.features[:, :T - k][m].float()  # (N, D)
+        blk, lm = self.module.blocks[k - 1], self.module.lm_heads[(k - 1) if self.module.own_lm_head else 0]
+        logq = torch.log_softmax(lm(blk(h.to(lm.weight.dtype))).float(), dim=-1)  # (N, Vd)
+        ids = batch.topk_ids[:, k:][m]  # (N, Kp) target ids
+        p = batch.topk_logprobs[:, k:][m].exp()  # (N, Kp)
+        d = self.inv[ids]  # (N, Kp) draft ids, -1 outside the draft vocabulary
+        valid = d >= 0  # (N, Kp)
+        return logq, ids, p, logq.gather(1, d.clamp(min=0)), valid
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        total = None
+        for k in range(1, self.module.num_heads + 1):
+            _, _, p, lq, valid = self._head(batch, k)
+            ce = -(p * lq * valid).sum(1).mean() if p.shape[0] else lq.sum() * 0
+            total = self.config.decay ** k * ce if total is None else total + self.config.decay ** k * ce
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, batch: Batch) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        R = self.config.ranks
+        for k in range(1, self.module.num_heads + 1):
+            logq, ids, p, lq, valid = self._head(batch, k)
+            n = float(ids.shape[0])
+            if k == 1:
+                out["count"] = n
+            order = logq.topk(min(R, logq.shape[1]), dim=-1).indices  # (N, R) draft ids by rank
+            hit = self.module.token_map[order] == ids[:, :1]  # (N, R) rank i is the target's argmax
+            out[f"h{k}_n"] = n
+            out[f"h{k}_ce"] = float(-(p * lq * valid).sum())
+            for i in range(hit.shape[1]):
+                out[f"h{k}_r{i}"] = float(hit[:, i].sum())
+        return out
+
+
+def rank_accuracies(metrics: Dict[str, float], num_heads: int, ranks: int, prefix: str = "heldout_") -> np.ndarray:
+    """(K, ranks) a_k(i) from evaluate()'s position-weighted means (ratios of sums)."""
+    acc = np.zeros((num_heads, ranks))
+    for k in range(1, num_heads + 1):
+        n = metrics.get(f"{prefix}h{k}_n", 0.0)
+        for i in range(ranks):
+            acc[k - 1, i] = metrics.get(f"{prefix}h{k}_r{i}", 0.0) / n if n > 0 else 0.0
+    return acc
+
+
+def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
+                        train_cfg: TrainConfig, cfg: MedusaTrainConfig, out_path, *, run_dir=None,
+                        data_record: Optional[dict] = None, measure_costs: bool = True) -> dict:
+    """Train heads on sequences WITH features (the feature store's), pick the tree for this
+    machine from the held-out accuracies and the measured costs, save to out_path. -> record."""
+    V = target.get_output_embeddings().weight.shape[0]
+    token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
+    heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers, own_lm_head=cfg.own_lm_head)
+    result = fit(MedusaTask(heads, cfg), list(train), list(heldout), train_cfg, out_dir=run_dir)
+    final = result.history[-1] if result.history else {}
+    acc = rank_accuracies(final, cfg.num_heads, cfg.ranks)
+    record = {"data": data_record or {}, "train": asdict(train_cfg), "medusa": asdict(cfg),
+              "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),
+              "heldout_top1": acc[:, 0].tolist(), "heldout_rank_acc": acc.tolist()}
+    choices = None
+    if measure_costs:
+        heads.eval()
+        vc = measure_verify_cost(target, 16)
+        hc = measure_heads_cost(target, heads)
+        choices, pred = best_tree(acc, vc["ratios"], hc["c"])
+        record.update(verify_ratios=vc["ratios"], heads_cost=hc["c"], predicted_speedup=pred,
+                      tree_nodes=len(choices))
+    save_medusa(out_path, heads, fingerprint(target), record, choices)
+    print(json.dumps({k: v for k, v in record.items() if k != "data"}, indent=1))
+    return record

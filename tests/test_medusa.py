@@ -1,0 +1,257 @@
+"""Tests of medusa_heads.py, medusa_tree.py, typical.py and training/medusa.py: training, greedy
+parity for three tree shapes, losslessness of tree sampling (chi-square against the exact joint),
+typical acceptance REJECTED by the same test, the tree construction, weights, errors."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from _stats import power_sample_size
+from specref import oracle
+from specref.generate import autoregressive_generate, speculative_generate
+from specref.medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa, save_medusa
+from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expected_accepted, greedy_tree,
+                                 tree_arrays)
+from specref.models import tiny_model
+from specref.oracle.exact import hf_joint_distribution
+from specref.sampling import SamplingConfig
+from specref.training.data import Seq, collate, teacher_topk
+from specref.training.draft import build_token_map
+from specref.training.eagle import attach_features
+from specref.training.loop import TrainConfig, fit, split_heldout
+from specref.training.medusa import MedusaTask, MedusaTrainConfig, rank_accuracies
+from specref.typical import TypicalAcceptance, verify_tree_typical
+
+V = 16
+SHAPES = {
+    "chain": ((0,), (0, 0), (0, 0, 0)),
+    "default": DEFAULT_CHOICES,
+    "wide": ((0,), (1,), (2,), (3,), (4,), (0, 0), (1, 0), (0, 1), (2, 0), (0, 0, 0)),
+}
+
+
+def _target():
+    # peaked, context-dependent V = 16 target (as test_eagle's)
+    m = tiny_model("llama", vocab_size=V, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _data(target, n, seed=0):
+    """Sequences sampled from the target: 5-token prompts, 16 response tokens, top-k, features."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, V, (n, 5), generator=g)  # (n, 5)
+    out = autoregressive_generate(target, prompts, max_new_tokens=16, temperature=1.0, seed=seed)
+    seqs = [Seq(torch.cat([prompts[i], out.tokens[i]]), 5) for i in range(n)]
+    ids, logp = teacher_topk(target, collate(seqs), 8)  # (n, 21, 8)
+    for i, s in enumerate(seqs):
+        s.topk_ids, s.topk_logprobs = ids[i, 4:20], logp[i, 4:20]
+    attach_features(target, seqs, progress=False)
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(target, heads, history): 3 heads over a 12-token draft vocabulary, 150 steps."""
+    target = _target()
+    train, held = split_heldout(_data(target, 160), 0.2, seed=0)
+    heads = MedusaHeads(target, 3, build_token_map(train, V, 12))
+    cfg = TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=150, seed=0)
+    res = fit(MedusaTask(heads, MedusaTrainConfig(ranks=4)), train, held, cfg, progress=False, log=lambda s: None)
+    return target, heads.eval(), res.history
+
+
+def test_training_lowers_every_heads_loss(trained):
+    _, heads, hist = trained
+    first, last = hist[0], hist[-1]
+    a0, a1 = rank_accuracies(first, 3, 4), rank_accuracies(last, 3, 4)
+    for k in range(1, 4):  # the soft CE falls and the argmax agreement rises for every head
+        assert last[f"heldout_h{k}_ce"] < first[f"heldout_h{k}_ce"] - 0.5, (k, first, last)
+    assert a1[:, 0].mean() > a0[:, 0].mean() + 0.02, (a0, a1)  # from the identity heads' start
+    assert a1[0, 0] > a1[2, 0], a1  # the nearer position is the easier one
+    assert np.allclose(a1.sum(1) <= 1 + 1e-9, True)  # per-rank hits of one argmax: a distribution's part
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_greedy_parity_ragged_batch(trained, shape):
+    target, heads, _ = trained
+    g = torch.Generator().manual_seed(len(shape))
+    ids = torch.randint(0, V, (4, 9), generator=g)
+    mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()  # left padding; row 3: 1 token
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
+    prop = MedusaProposer(heads, MedusaConfig(choices=SHAPES[shape]))
+    sp = speculative_generate(target, prop, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
+    assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
+    assert sp.stats.tokens_per_forward > 1.2, sp.stats  # the trained heads are accepted
+    for b in range(4):  # batch 1: each row alone
+        one = speculative_generate(target, MedusaProposer(heads, MedusaConfig(choices=SHAPES[shape])),
+                                   ids[b:b + 1], mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
+        assert one.row(0) == sp.row(b)
+
+
+SMALL = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))  # siblings at two levels, depth 3
+
+
+_RUNS = {}  # (temperature, top_k, acceptance) -> result: the lossless runs serve both tests below
+
+
+def _joint_test(trained, temperature, top_k, acceptance, n=50_000, L=2, seed=5):
+    key = (temperature, top_k, acceptance)
+    if key not in _RUNS:
+        _RUNS[key] = _joint_run(trained, temperature, top_k, acceptance, n, L, seed)
+    return _RUNS[key]
+
+
+def _joint_run(trained, temperature, top_k, acceptance, n, L, seed):
+    target, heads, _ = trained
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k)).numpy()
+    prop = MedusaProposer(heads, MedusaConfig(choices=SMALL, acceptance=acceptance))
+    out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L, temperature=temperature,
+                               top_k=top_k, generator=torch.Generator().manual_seed(seed))
+    counts = oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L)
+    tv = 0.5 * float(np.abs(counts / n - exact).sum())
+    return exact, oracle.chi_square_gof(counts, exact), tv, out.stats
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_lossless_tree_sampling_whole_loop(trained, temperature, top_k):
+    """Joint of the first 2 tokens vs exact (256 cells), 50,000 rows; power >= 0.99 against TV
+    0.02 at 1e-3 is asserted. The siblings are distinct top-s tokens: q = None, one-hot."""
+    exact, res, tv, s = _joint_test(trained, temperature, top_k, "lossless")
+    assert power_sample_size(exact, 50_000) <= 50_000
+    assert res.p_value > 1e-3, (res, tv)
+    assert s.num_accepted_tokens > 10_000 and s.num_draft_tokens - s.num_accepted_tokens > 10_000, s
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_typical_acceptance_is_rejected_as_lossy(trained, temperature, top_k):
+    """The same test, same power, REJECTS Medusa's typical acceptance; its TV from the exact joint
+    is well above the lossless mode's sampling noise (measured: see the closing note)."""
+    _, res_l, tv_l, s_l = _joint_test(trained, temperature, top_k, "lossless")
+    _, res, tv, s = _joint_test(trained, temperature, top_k, "typical")
+    print(f"T={temperature} top_k={top_k}: typical TV {tv:.4f} p {res.p_value:.3g} tokens/forward "
+          f"{s.tokens_per_forward:.3f}; lossless TV {tv_l:.4f} p {res_l.p_value:.3g} {s_l.tokens_per_forward:.3f}")
+    assert res.p_value < 1e-6, (res, tv)
+    assert tv > tv_l + 0.02, (tv, tv_l)
+
+
+def test_sampled_rows_are_batch_independent(trained):
+    target, heads, _ = trained
+    ids = torch.randint(0, V, (3, 6), generator=torch.Generator().manual_seed(3))
+    gens = lambda rows: [torch.Generator().manual_seed(100 + b) for b in rows]  # noqa: E731
+    for acc in ("lossless", "typical"):
+        batch = speculative_generate(target, MedusaProposer(heads, MedusaConfig(acceptance=acc)), ids,
+                                     max_new_tokens=16, temperature=1.0, generator=gens(range(3)))
+        for b in range(3):
+            one = speculative_generate(target, MedusaProposer(heads, MedusaConfig(acceptance=acc)), ids[b:b + 1],
+                                       max_new_tokens=16, temperature=1.0, generator=gens([b]))
+            assert one.row(0) == batch.row(b), acc
+
+
+def test_typical_rule_by_hand():
+    # tree: node 0 (token 1) and node 1 (token 2) children of the root; node 2 (token 3) under node 0
+    tokens, parents = torch.tensor([[1, 2, 3]]), torch.tensor([[-1, -1, 0]])
+    p = torch.zeros(1, 4, 4)
+    p[0, 0] = torch.tensor([0.05, 0.45, 0.5, 0.0])  # root: tokens 1 and 2 pass (thr = 0.09)
+    p[0, 1] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # after node 0: token 3 passes -> path of 2
+    p[0, 2] = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    p[0, 3] = torch.tensor([0.0, 0.0, 1.0, 0.0])  # after node 2: the final token is 2
+    res = verify_tree_typical(tokens, parents, p, TypicalAcceptance(), generator=torch.Generator().manual_seed(0))
+    assert res.num_accepted.tolist() == [2] and res.path.tolist() == [[0, 2]] and res.tokens.tolist() == [[1, 3, 2]]
+    # node 0's token now fails at the root (0.05 < min(0.09, 0.3 e^-H)), so the path is node 1 alone;
+    # the final token after node 1 comes from its typical set: all four pass (0.25 > 0.075)
+    p[0, 0] = torch.tensor([0.45, 0.05, 0.5, 0.0])
+    res = verify_tree_typical(tokens, parents, p, TypicalAcceptance(), generator=torch.Generator().manual_seed(0))
+    assert res.num_accepted.tolist() == [1] and res.path.tolist() == [[1, -1]]
+    # equally long passing paths: the more likely one wins (node 1, p 0.5 > node 0's 0.45)
+    p[0, 0] = torch.tensor([0.05, 0.45, 0.5, 0.0])
+    res = verify_tree_typical(torch.tensor([[1, 2]]), torch.tensor([[-1, -1]]), p[:, :3], TypicalAcceptance(),
+                              generator=torch.Generator().manual_seed(0))
+    assert res.path.tolist() == [[1]]
+    # the final token never comes from outside the typical set: p = [0.95, 0.05 * 4 tail] at a leaf
+    q = torch.full((1, 1, 6), 0.01)
+    q[0, 0, 0] = 0.95
+    fin = [int(verify_tree_typical(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long), q,
+                                   generator=torch.Generator().manual_seed(s)).tokens[0, 0]) for s in range(200)]
+    assert set(fin) == {0}
+
+
+def test_greedy_tree_is_the_best_tree_of_its_size():
+    acc = np.array([[0.5, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.05]])
+    every = [c for d in range(1, 4) for c in itertools.product(range(3), repeat=d)]
+    for n in (1, 3, 5):  # brute force over every n-node tree (prefix-closed sets)
+        best = max(expected_accepted(t, acc) for t in itertools.combinations(every, n)
+                   if all(len(c) == 1 or c[:-1] in t for c in t))
+        assert expected_accepted(greedy_tree(acc, n), acc) == pytest.approx(best)
+    assert greedy_tree(acc, 3) == [(0,), (1,), (0, 0)]  # 0.5, 0.2, 0.5 * 0.4
+    assert expected_accepted([(0,), (0, 0)], acc) == pytest.approx(0.5 + 0.2)
+    # best_tree: a free verify block takes the largest tree; a steep one a single node
+    n_free = len(best_tree(acc, [1.0] * 9)[0])
+    n_steep = len(best_tree(acc, [1.0 + 2.0 * w for w in range(9)])[0])
+    assert n_free == 8 and n_steep == 1
+    parents, head, rank = tree_arrays(check_choices([(1,), (0, 0), (0,)], 2))
+    assert parents.tolist() == [-1, -1, 0] and head.tolist() == [0, 0, 1] and rank.tolist() == [0, 1, 0]
+
+
+def test_weights_round_trip_and_errors(trained, tmp_path):
+    target, heads, _ = trained
+    save_medusa(tmp_path / "m.safetensors", heads, __import__("specref").weights.fingerprint(target), {},
+                choices=[(0,), (1,), (0, 0)])
+    again = load_medusa(target, tmp_path / "m.safetensors")
+    assert again.choices == [(0,), (1,), (0, 0)] and torch.equal(again.token_map, heads.token_map)
+    h = torch.randn(5, heads.hidden_size)
+    assert torch.allclose(again(h), heads(h), atol=2e-2)  # stored as float16
+    other = tiny_model("llama", vocab_size=V, seed=99)
+    with pytest.raises(ValueError, match="fingerprint"):
+        load_medusa(other, tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match="no Medusa heads file"):
+        load_medusa(target, tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="depth 4 but there are only 3 heads"):
+        MedusaProposer(heads, MedusaConfig(choices=((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0))))
+    with pytest.raises(ValueError, match=r"needs its parent \(0, 1\)"):
+        MedusaProposer(heads, MedusaConfig(choices=((0,), (0, 1, 0))))
+    with pytest.raises(ValueError, match="rank 12 but the draft vocabulary has 12"):
+        MedusaProposer(heads, MedusaConfig(choices=((12,),)))
+    with pytest.raises(ValueError, match="num_heads must be an int >= 1"):
+        MedusaHeads(target, 0)
+    with pytest.raises(ValueError, match="acceptance must be"):
+        MedusaConfig(acceptance="fast")
+    with pytest.raises(ValueError, match="posterior_alpha"):
+        MedusaConfig(posterior_alpha=0)
+    with pytest.raises(ValueError, match="appears twice"):
+        check_choices([(0,), (0,)], 2)
+    prop = MedusaProposer(heads)
+    prop.acceptance_rule = "typical"
+    with pytest.raises(ValueError, match="acceptance_rule must be None or a TypicalAcceptance"):
+        speculative_generate(target, prop, torch.tensor([1, 2]), max_new_tokens=2)
+
+
+def test_hybrid_with_medusa_trees(trained):
+    """Prompt lookup's chains and Medusa's trees in one tree draft (HybridProposer "select"):
+    greedy parity on a ragged batch, and the whole-loop chi-square at T = 1 with both sources used."""
+    from specref.hybrid import HybridProposer
+    from specref.ngram import NgramConfig, NgramProposer
+
+    target, heads, _ = trained
+    make = lambda acc="lossless": HybridProposer(NgramProposer(NgramConfig(min_n=1, max_n=2, k=3)),  # noqa: E731
+                                                 MedusaProposer(heads, MedusaConfig(choices=SMALL, acceptance=acc)))
+    ids = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2], [0, 0, 5, 6, 5, 6, 5, 6], [0, 0, 0, 0, 9, 8, 7, 9]])
+    mask = (torch.arange(8) >= torch.tensor([0, 2, 4]).view(3, 1)).long()
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=16, temperature=0)
+    prop = make()
+    sp = speculative_generate(target, prop, ids, mask, max_new_tokens=16, temperature=0)
+    assert torch.equal(ar.tokens, sp.tokens) and min(prop.source_counts) > 0, prop.source_counts
+    n, L = 50_000, 2
+    prompt = torch.tensor([1, 2, 1, 2, 1])
+    exact = hf_joint_distribution(target, prompt, L, SamplingConfig(1.0)).numpy()
+    prop = make()
+    out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L, temperature=1.0,
+                               generator=torch.Generator().manual_seed(9))
+    res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L), exact)
+    assert power_sample_size(exact, n) <= n and res.p_value > 1e-3, res
+    assert min(prop.source_counts) > 1000, prop.source_counts
+    with pytest.raises(ValueError, match="verifies losslessly"):
+        make("typical")
