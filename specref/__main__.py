@@ -1,11 +1,11 @@
-"""`python -m specref demo | generate | oracle | bench | train`: the command-line entry points.
+"""`python -m specref demo | generate | oracle | bench | train | data`: the command-line entry points.
 
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
            sampled, with the speed-up over autoregressive_generate measured in the same run.
 generate - one prompt through any local model folder or GGUF file, with a chosen proposer.
 oracle   - check a rejection sampler for losslessness (oracle/).
 bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
-train    - self-distilled data and training of the draft or the EAGLE head (training/).
+train    - training of the draft, the EAGLE head, Medusa heads or MTP modules (training/).
 data     - the feature store: real text scored teacher-forced by the target (training/store.py).
 """
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     sub.add_parser("oracle", help="check a rejection sampler: python -m specref oracle --help")
     sub.add_parser("bench", help="benchmark every method: python -m specref bench --help")
-    sub.add_parser("train", help="self-distillation and draft training: python -m specref train --help")
+    sub.add_parser("train", help="train a learned proposer: python -m specref train --help")
     sub.add_parser("data", help="the feature store of real text: python -m specref data --help")
     args = ap.parse_args(argv)
     if args.cmd == "demo":

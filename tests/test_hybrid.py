@@ -121,9 +121,10 @@ def test_learned_state_survives_skipped_steps(target, kind, mode):
 
 @pytest.mark.parametrize("kind,mode", [("eagle", "select"), ("draft", "tree")])  # q mixing as in draft/select
 def test_whole_loop_lossless(target, kind, mode):
-    """Joint of the first 3 tokens vs the exact distribution, 100,000 rows in one batch: rows drafting
-    sampled learned tokens (with q) and rows drafting n-gram tokens (one-hot q) share every step."""
-    L, n = 3, 100_000
+    """Joint of the first 2 tokens vs the exact distribution, 62,000 rows in one batch (power >= 0.99
+    against TV 0.02 asserted): rows drafting sampled learned tokens (with q) and rows drafting n-gram
+    tokens (one-hot q) share every step; k = 1 keeps two steps per row in play."""
+    L, n = 2, 62_000
     prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])  # many tokens to match
     exact = hf_joint_distribution(target, prompt, L, SamplingConfig(1.0)).numpy()
     assert power_sample_size(exact, n) <= n
@@ -142,7 +143,7 @@ def test_whole_loop_lossless(target, kind, mode):
     toks = out.tokens[:, :L].numpy()
     res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(toks, V), V ** L), exact)
     assert res.p_value > 1e-3, res
-    assert min(prop.source_counts) > 5000, prop.source_counts  # both sources, in the same steps
+    assert min(prop.source_counts) > 3000, prop.source_counts  # both sources, in the same steps
     assert any(has_q for has_q, _ in counts)
     s = out.stats
     assert s.num_accepted_tokens > 2000 and s.num_draft_tokens - s.num_accepted_tokens > 2000, s
