@@ -10,7 +10,7 @@ so its head scatters the Vd logits into the full V with -inf elsewhere: the same
 outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain; Medusa
 the committed heads (medusa_heads.py) over the tree their file ships, with lossless acceptance
 (`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
-T = 0). Left out: EAGLE-2 trees.
+T = 0); MTP the committed modules (mtp.py) as a chain of k = max(D, 3). Left out: EAGLE-2 trees.
 """
 from __future__ import annotations
 
