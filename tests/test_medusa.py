@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _stats import power_sample_size
+from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa, save_medusa
@@ -16,9 +17,7 @@ from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expe
 from specref.models import tiny_model
 from specref.oracle.exact import hf_joint_distribution
 from specref.sampling import SamplingConfig
-from specref.training.data import Seq, collate, teacher_topk
 from specref.training.draft import build_token_map
-from specref.training.eagle import attach_features
 from specref.training.loop import TrainConfig, fit, split_heldout
 from specref.training.medusa import MedusaTask, MedusaTrainConfig, rank_accuracies
 from specref.typical import TypicalAcceptance, verify_tree_typical
@@ -31,25 +30,7 @@ SHAPES = {
 }
 
 
-def _target():
-    # peaked, context-dependent V = 16 target (as test_eagle's)
-    m = tiny_model("llama", vocab_size=V, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
-
-
-def _data(target, n, seed=0):
-    """Sequences sampled from the target: 5-token prompts, 16 response tokens, top-k, features."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, V, (n, 5), generator=g)  # (n, 5)
-    out = autoregressive_generate(target, prompts, max_new_tokens=16, temperature=1.0, seed=seed)
-    seqs = [Seq(torch.cat([prompts[i], out.tokens[i]]), 5) for i in range(n)]
-    ids, logp = teacher_topk(target, collate(seqs), 8)  # (n, 21, 8)
-    for i, s in enumerate(seqs):
-        s.topk_ids, s.topk_logprobs = ids[i, 4:20], logp[i, 4:20]
-    attach_features(target, seqs, progress=False)
-    return seqs
+_target, _data = feature_target, feature_data  # tests/_features.py
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from _stats import power_sample_size
+from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
@@ -16,33 +17,14 @@ from specref.mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Context
 from specref.sampling import SamplingConfig
-from specref.training.data import Seq, collate, teacher_topk
-from specref.training.eagle import attach_features
+from specref.training.data import Seq, collate
 from specref.training.loop import TrainConfig, split_heldout
 from specref.training.mtp import MTPTask, MTPTrainConfig, run_mtp_training
 
 V = 16
 
 
-def _target():
-    # peaked, context-dependent V = 16 target (as test_eagle's); 2 decoder layers: MTP layers are 2, 3
-    m = tiny_model("llama", vocab_size=V, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
-
-
-def _data(target, n, seed=0):
-    """Sequences sampled from the target: 5-token random prompts, 16 response tokens, top-k, features."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, V, (n, 5), generator=g)  # (n, 5)
-    out = autoregressive_generate(target, prompts, max_new_tokens=16, temperature=1.0, seed=seed)
-    seqs = [Seq(torch.cat([prompts[i], out.tokens[i]]), 5) for i in range(n)]
-    ids, logp = teacher_topk(target, collate(seqs), 8)  # (n, 21, 8)
-    for i, s in enumerate(seqs):
-        s.topk_ids, s.topk_logprobs = ids[i, 4:20], logp[i, 4:20]
-    attach_features(target, seqs, progress=False)
-    return seqs
+_target, _data = feature_target, feature_data  # tests/_features.py
 
 
 @pytest.fixture(scope="module")
