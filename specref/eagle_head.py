@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import Target, additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
 FORMAT = "specref-eagle-1"
 WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors"
@@ -280,10 +279,7 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
 def save_eagle(path, head: EagleHead, target_fingerprint: str, record: dict,
                dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + a training record, as safetensors (atomic)."""
-    tensors = {n: q.detach().to(dtype).cpu() for n, q in head.trainable()}
-    tensors["token_map"] = head.token_map.to(torch.int32).cpu()
-    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
-                                 "record": json.dumps(record)})
+    save_trained(path, head, FORMAT, target_fingerprint, record, dtype=dtype)
 
 
 def eagle_info(path=WEIGHTS) -> dict:

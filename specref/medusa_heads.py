@@ -41,7 +41,7 @@ from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
 from .target import Target
 from .typical import TypicalAcceptance
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
 FORMAT = "specref-medusa-1"
 WEIGHTS = FOLDER / "smollm2_135m_medusa.safetensors"
@@ -209,12 +209,9 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
 def save_medusa(path, heads: MedusaHeads, target_fingerprint: str, record: dict,
                 choices: Optional[List[Tuple[int, ...]]] = None, dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + architecture + the tree to ship + a record, as safetensors."""
-    tensors = {n: q.detach().to(dtype).cpu() for n, q in heads.trainable()}
-    tensors["token_map"] = heads.token_map.to(torch.int32).cpu()
     arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head}
-    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
-                                 "arch": json.dumps(arch), "choices": json.dumps(choices or []),
-                                 "record": json.dumps(record)})
+    save_trained(path, heads, FORMAT, target_fingerprint, record,
+                 {"arch": json.dumps(arch), "choices": json.dumps(choices or [])}, dtype)
 
 
 def medusa_info(path=WEIGHTS) -> dict:

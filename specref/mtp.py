@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import operator
 import warnings
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
 FORMAT = "specref-mtp-1"
 WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors"
@@ -278,10 +277,7 @@ class MTPProposer:
 
 def save_mtp(path, stack: MTPStack, target_fingerprint: str, record: dict, dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + a training record, as safetensors (atomic)."""
-    tensors = {n: q.detach().to(dtype).cpu() for n, q in stack.trainable()}
-    tensors["token_map"] = stack.token_map.to(torch.int32).cpu()
-    save_weights(path, tensors, {"format": FORMAT, "target_fingerprint": target_fingerprint,
-                                 "num_modules": str(stack.num_modules), "record": json.dumps(record)})
+    save_trained(path, stack, FORMAT, target_fingerprint, record, {"num_modules": str(stack.num_modules)}, dtype)
 
 
 def mtp_info(path=WEIGHTS) -> dict:

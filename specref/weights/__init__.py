@@ -44,6 +44,16 @@ def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -
     Path(tmp).replace(path)
 
 
+def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: str, record: dict,
+                 meta: Dict[str, str] = None, dtype: torch.dtype = torch.float16) -> None:
+    """A learned proposer's trainable tensors (`module.trainable()`, in `dtype`) and its token_map
+    (int32), with the format tag, the target's fingerprint, the JSON record and any `meta` strings."""
+    tensors = {n: q.detach().to(dtype).cpu() for n, q in module.trainable()}
+    tensors["token_map"] = module.token_map.to(torch.int32).cpu()
+    save_weights(path, tensors, {"format": fmt, "target_fingerprint": target_fingerprint, **(meta or {}),
+                                 "record": json.dumps(record)})
+
+
 def weights_info(path, fmt: str, what: str, how: str) -> dict:
     """The metadata of a file from save_weights, its "record" parsed; ValueError if the file is
     missing ("no {what} at ...; {how}") or of another format than `fmt`."""
