@@ -128,7 +128,14 @@ class DraftModelProposer:
         self.cache.commit(todo)
         last = logits[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, V)
         tokens, qs = [], []
+        procs = sampling.processors if self.token_map is None else None  # (a reduced vocabulary: unprocessed q)
+        if procs is not None:  # the target's processors on the draft's own side: q_i on context + x_<i
+            ext = torch.cat([ctx.tokens, ctx.tokens.new_zeros(B, k)], dim=1)  # (B, T + k)
+            base = ctx.prompt_lengths if ctx.prompt_lengths is not None else ctx.lengths
+            new0 = ctx.lengths - base.to(ctx.lengths)  # (B,) generated tokens in the context
         for i in range(k):
+            if procs is not None:
+                last = procs(ext, ctx.lengths + i, new0 + i, last)  # (B, V) on the drafted prefix
             if sampling.greedy or self.config.greedy_draft:
                 x = greedy_tokens(last)  # (B,) draft-vocab ids
             else:
@@ -139,6 +146,8 @@ class DraftModelProposer:
             if self.token_map is not None:
                 x = self.token_map[x]  # (B,) target ids: the next input is a target id
             tokens.append(x)
+            if procs is not None:
+                ext.scatter_(1, (ctx.lengths + i).view(B, 1), x.view(B, 1))
             if i + 1 < k:  # feed x_i to get q_{i+1}; the k-th token is never fed this step
                 last = self.lm.verify_chain(self.cache, x.view(B, 1)).logits[:, 0, :self.head_rows]  # (B, V)
                 self.cache.commit(ctx.active.long())

@@ -18,8 +18,12 @@ speculation. Batches are ragged: each row keeps its own length in the cache, acc
 and stops on its own (eos inside an accepted run truncates the row there). Counters stay on the
 device until the end; the phases are timed on the host clock, and the device is synchronised for
 it only with `timing=True` (exact on CUDA then; on CPU the host clock is exact anyway).
-Left out: beam search, repetition penalties and other logits processors (they would have to be
-applied identically to p and, if sampled, q).
+Logits processors that read the context (repetition penalty, no-repeat n-grams, min_new_tokens,
+bad words, presence / frequency penalties, a transformers LogitsProcessorList) are applied to p at
+every draft position on that position's own context, draft tokens included (processors.py), which
+keeps them lossless. transformers' calling conventions (GenerationConfig, sequences out, streamer,
+stop strings) are read at the boundary (hf_generation.py). Left out: beam search and the other
+settings hf_generation.resolve() names in its error.
 """
 from __future__ import annotations
 
@@ -29,11 +33,12 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import checks, rejection, tree, typical
+from . import checks, hf_generation, processors, rejection, tree, typical
 from .costs import device_sync
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
 from .target import Target
+from .hf_generation import UNSET
 from .typical import TypicalAcceptance
 
 
@@ -77,6 +82,8 @@ class GenerationOutput:
     tokens: torch.Tensor  # (B, max_new_tokens) long, generated tokens, -1 after a row's end
     num_tokens: torch.Tensor  # (B,) long
     stats: GenerationStats
+    sequences: Optional[torch.Tensor] = None  # (B, T + n) with return_sequences: the prompt as passed,
+    # then the new tokens padded with pad_token_id (n: the longest row's count), as model.generate
 
     def row(self, b: int) -> List[int]:
         return self.tokens[b, : int(self.num_tokens[b])].tolist()
@@ -193,32 +200,60 @@ def speculative_generate(
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
     *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: Union[None, int, Sequence[int]] = None,
+    max_new_tokens: Optional[int] = UNSET,
+    temperature: float = UNSET,
+    top_k: int = UNSET,
+    top_p: float = UNSET,
+    eos_token_id: Union[None, int, Sequence[int]] = UNSET,
     generator: Generators = None,
     seed: Optional[int] = None,
     max_len: Optional[int] = None,
     timing: bool = False,
+    generation_config=None,
+    logits_processor=None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    stop_strings: Union[None, str, Sequence[str]] = UNSET,
+    tokenizer=None,
+    streamer=None,
+    return_sequences: bool = False,
+    pad_token_id: Optional[int] = UNSET,
+    **generation_kwargs,
 ) -> GenerationOutput:
     """Generate up to max_new_tokens per row with speculative decoding.
 
     target: a HF causal LM or a `Target`. proposer: any object of the Proposer protocol.
-    input_ids (B, T) with attention_mask (left or right padding) or (T,). temperature 0 = greedy.
+    input_ids (B, T) with attention_mask (left or right padding) or (T,). temperature 0 = greedy
+    (default 1.0; top_k 0 and top_p 1.0 are off; eos_token_id None = no eos).
     generator: one torch.Generator for the batch or one per row; else `seed` seeds one per row
     (seed, seed+1, ...); with neither, a random seed is drawn from torch's global generator.
     max_len: the target cache's slots per row (default: just enough). timing: synchronise the
     device around each phase so that stats' phase times are exact on CUDA (the bench sets it).
-    Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats).
+
+    transformers' conventions (hf_generation.py): `generation_config` and generate-style
+    `**generation_kwargs` (do_sample, repetition_penalty, no_repeat_ngram_size, min_new_tokens,
+    bad_words_ids, max_length, ...), over the model's own generation_config; the keyword arguments
+    above win over both. Unsupported settings (beams, several sequences, ...) are a ValueError.
+    logits_processor: a transformers LogitsProcessorList or specref processors (processors.py);
+    presence_penalty / frequency_penalty: vLLM's. Every processor is applied losslessly: each draft
+    position (tree node) on its own context, draft tokens included. stop_strings (with `tokenizer`):
+    a row stops where transformers' StopStringCriteria stops, even inside an accepted run.
+    streamer: a transformers streamer (batch 1), fed the prompt and then each step's committed
+    tokens. return_sequences: also return `sequences`, prompt + new tokens padded with pad_token_id
+    as model.generate returns them.
+    Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats[, sequences]).
     """
     # validation at the boundary (checks.py): every argument before any allocation or forward
     t_start = time.perf_counter()
     tgt = target if isinstance(target, Target) else Target(target)
-    sampling = SamplingConfig(temperature=checks.as_float(temperature, "temperature"),
-                              top_k=checks.as_int(top_k, "top_k"), top_p=checks.as_float(top_p, "top_p"))
-    max_new_tokens = checks.as_int(max_new_tokens, "max_new_tokens", low=0)
+    cfg = hf_generation.resolve(
+        tgt.model, generation_config, generation_kwargs, temperature=temperature, top_k=top_k, top_p=top_p,
+        eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        logits_processor=logits_processor, stop_strings=stop_strings, vocab=tgt.vocab_size)
+    procs = cfg.procs if cfg.procs else None
+    sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, processors=procs)
+    stops = None if cfg.stop_strings is None else hf_generation.StopStrings(tokenizer, cfg.stop_strings)
     k = checks.check_proposer(proposer)
     who = type(proposer).__name__
     trust = checks.trusted(proposer)  # the library's own proposers skip the per-step Draft check
@@ -238,7 +273,9 @@ def speculative_generate(
         raise ValueError(f"proposer.hidden_layers must be a non-empty tuple of layer indices, got {want_h!r}")
     rows = _rows_from_prompt(input_ids, attention_mask, tgt.vocab_size)
     B, dev = len(rows), tgt.device
-    eos = torch.tensor(checks.eos_ids(eos_token_id, tgt.vocab_size), dtype=torch.long, device=dev)  # (E,)
+    if streamer is not None and B != 1:
+        raise ValueError(f"a streamer takes one sequence (batch 1, as in transformers), got a batch of {B}")
+    eos = torch.tensor(cfg.eos, dtype=torch.long, device=dev)  # (E,)
     generator = checks.generators(generator, B)
     if generator is not None and seed is not None:
         raise ValueError("pass generator or seed, not both (seed would be ignored)")
@@ -248,6 +285,10 @@ def speculative_generate(
     stats = GenerationStats()
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     P_max = int(prompt_len.max())
+    max_new_tokens = cfg.max_new_tokens
+    if max_new_tokens is None:  # transformers: max_length counts the (padded) prompt
+        T_in = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) else P_max
+        max_new_tokens = max(cfg.max_length - T_in, 0)
     if tgt.max_positions is not None and P_max + max_new_tokens > tgt.max_positions:
         raise ValueError(f"the longest prompt ({P_max} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"the model's {tgt.max_positions} positions")
@@ -260,14 +301,22 @@ def speculative_generate(
                          f"max_new_tokens ({max_new_tokens}) + k + 1 needs {T_ctx}")
     out_tokens = torch.full((B, max_new_tokens + K + 1), -1, dtype=torch.long, device=dev)  # (B, N + K + 1)
     n_new = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
+    if return_sequences and cfg.pad_token_id is None:
+        raise ValueError("return_sequences needs pad_token_id (pass it, or set it in the generation_config)")
     if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.put(rows[0].view(1, -1).cpu())
+            streamer.end()
         stats.wall_time = time.perf_counter() - t_start
-        return GenerationOutput(out_tokens[:, :0], n_new, stats)
+        return _output(out_tokens[:, :0], n_new, stats, input_ids, return_sequences, cfg.pad_token_id)
 
     ctx_tokens = torch.zeros((B, T_ctx), dtype=torch.long, device=dev)  # (B, T)
     for b, r in enumerate(rows):
         ctx_tokens[b, : len(r)] = r.to(dev)
-    ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(), active=torch.ones(B, dtype=torch.bool, device=dev))
+    ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(), active=torch.ones(B, dtype=torch.bool, device=dev),
+                  prompt_lengths=prompt_len)
+    if streamer is not None:
+        streamer.put(rows[0].view(1, -1).cpu())  # as transformers: the prompt first (skip_prompt skips it)
     cache = tgt.new_cache(B, max_len)
     counters = _Counters(dev)
 
@@ -298,12 +347,19 @@ def speculative_generate(
             pending = ctx_tokens.gather(1, (ctx.lengths - 1).view(B, 1)).view(B)  # (B,)
             verify = _verify_tree if draft.is_tree else _verify_chain
             block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer)
+            if procs is not None:  # each row of the block on its own path's context (processors.py)
+                checks.finite_or_raise(step_no, who, logits=block.logits)
+                block.logits = processors.apply_to_block(procs, block.logits, ctx_tokens, ctx.lengths, n_new,
+                                                         block.tokens, block.parents, block.lengths)
             # 3. accept: rejection.py, then each row's cut at its token budget and first eos
             step = _accept(block, draft.q, sampling, generator, step_no, who, rule)
             if step.emitted.shape[1] > K + 1:
                 raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
                                  f"than its k = {k}")
             num_emit, hit_eos = _kept(step, budget, ctx.active, eos)  # (B,), (B,)
+            if stops is not None:  # a stop string completed inside the run ends the row there
+                num_emit, stopped = stops.first_stop(ctx_tokens, ctx.lengths, step.emitted, num_emit)  # (B,), (B,)
+                hit_eos |= stopped
             t2 = clock()
             stats.draft_time += t1 - t0
             stats.verify_time += t2 - t1
@@ -316,14 +372,27 @@ def speculative_generate(
             counters.add(block, step, ctx.active, num_emit, accepted)
             ctx.lengths += num_emit
             n_new += num_emit
+            if streamer is not None and int(num_emit[0]):
+                streamer.put(step.emitted[0, : int(num_emit[0])].cpu())  # the step's committed tokens
             ctx.active &= ~hit_eos & (n_new < max_new_tokens)
             if want_h is not None:
                 ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
             proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
             step_no += 1
     counters.fill(stats)
+    if streamer is not None:
+        streamer.end()
     stats.wall_time = time.perf_counter() - t_start
-    return GenerationOutput(out_tokens[:, :max_new_tokens].contiguous(), n_new, stats)
+    return _output(out_tokens[:, :max_new_tokens].contiguous(), n_new, stats, input_ids, return_sequences,
+                   cfg.pad_token_id)
+
+
+def _output(tokens, n_new, stats, input_ids, return_sequences: bool, pad: Optional[int]) -> GenerationOutput:
+    seqs = None
+    if return_sequences:
+        ids = checks.as_token_tensor(input_ids, "input_ids")
+        seqs = hf_generation.sequences(ids, tokens, n_new, pad)
+    return GenerationOutput(tokens, n_new, stats, seqs)
 
 
 def _verify_chain(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer) -> _Block:
@@ -449,19 +518,8 @@ def autoregressive_generate(
     target: Union[Target, torch.nn.Module],
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: Union[None, int, Sequence[int]] = None,
-    generator: Generators = None,
-    seed: Optional[int] = None,
-    max_len: Optional[int] = None,
-    timing: bool = False,
+    **kwargs,
 ) -> GenerationOutput:
-    """Plain decoding, one target forward per token, on the same cache and sampling code."""
-    return speculative_generate(target, NullProposer(), input_ids, attention_mask,
-                                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, eos_token_id=eos_token_id, generator=generator,
-                                seed=seed, max_len=max_len, timing=timing)
+    """Plain decoding, one target forward per token, on the same cache, sampling and processor code
+    (every keyword argument of speculative_generate)."""
+    return speculative_generate(target, NullProposer(), input_ids, attention_mask, **kwargs)

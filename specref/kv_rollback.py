@@ -25,7 +25,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .compat import check_transformers
+
+try:  # an incompatible transformers fails in SpecCache() with check_transformers' message, not here
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError:  # pragma: no cover - exercised only on an incompatible install
+    Cache = CacheLayerMixin = object  # type: ignore[misc,assignment]
 
 
 class _RowLayer(CacheLayerMixin):
@@ -92,6 +98,7 @@ class SpecCache(Cache):
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_len: int, device: torch.device):
+        check_transformers()  # the cache API this class relies on (compat.py); cached after one call
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self.max_len = int(max_len)

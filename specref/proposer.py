@@ -34,6 +34,7 @@ class Context:
     # forward committed, for proposers that set `hidden_layers` (EAGLE, Medusa); else None
     hidden_len: Optional[torch.Tensor] = None  # (B,) valid rows of `hidden`: row b's hidden[b, j] is
     # the feature at position lengths[b] - 1 - hidden_len[b] + j (the pending token has none yet)
+    prompt_lengths: Optional[torch.Tensor] = None  # (B,) prompt tokens of each row (the rest is generated)
 
     def row(self, b: int) -> torch.Tensor:
         return self.tokens[b, : int(self.lengths[b])]  # (T_b,)

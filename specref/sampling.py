@@ -29,6 +29,8 @@ class SamplingConfig:
     temperature: float = 1.0  # 0 = greedy (argmax); > 0 divides the logits
     top_k: int = 0  # 0 = off; else keep the k most probable tokens
     top_p: float = 1.0  # 1.0 = off; else keep the smallest prefix of mass >= top_p
+    processors: object = None  # processors.Processors that read the context (repetition penalty, ...),
+    # applied to the logits BEFORE the warping above, each position on its own context; None = none
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from .backends.cpu_linear import PackedLinears, packing_available, tensor_version
+from .compat import cache_keyword, check_transformers
 from .kv_rollback import SpecCache
 
 
@@ -113,13 +114,14 @@ class Target:
     """A causal LM scored block by block on a SpecCache. One instance can serve many generations."""
 
     def __init__(self, model: torch.nn.Module, config: TargetConfig = TargetConfig(), name: str = "target"):
+        check_transformers()  # the cache API and forward keyword this wrapper relies on (compat.py)
         check_causal_lm(model, name)
         self.model = model.eval()
         self.config = config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.num_layers = int(model.config.num_hidden_layers)
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model.forward, name)  # `cache` from 5.24, `past_key_values` before
         self._keep_kw = "logits_to_keep" in params
         p = next(model.parameters())
         # the input device: where the first resident weight (the embedding) lives; a model placed by

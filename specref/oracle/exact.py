@@ -17,9 +17,12 @@ from ..sampling import SamplingConfig, logits_to_probs
 
 @torch.no_grad()
 def hf_joint_distribution(model: torch.nn.Module, prompt: torch.Tensor, L: int,
-                          sampling: SamplingConfig, *, batch: int = 4096) -> torch.Tensor:
+                          sampling: SamplingConfig, *, batch: int = 4096, processor=None) -> torch.Tensor:
     """Exact joint distribution of the next L tokens after `prompt` (T,), as a flat (V**L,) float64
-    tensor indexed by x_1 * V^(L-1) + ... + x_L (see oracle.joint_index)."""
+    tensor indexed by x_1 * V^(L-1) + ... + x_L (see oracle.joint_index).
+
+    processor: a transformers-style logits processor, (input_ids (b, T+d), scores (b, V)) -> scores,
+    applied along each path (prompt + x_<i) before the warping (e.g. RepetitionPenaltyLogitsProcessor)."""
     if L < 1:
         raise ValueError(f"L must be >= 1, got {L}")
     V = int(model.get_output_embeddings().weight.shape[0])
@@ -35,7 +38,9 @@ def hf_joint_distribution(model: torch.nn.Module, prompt: torch.Tensor, L: int,
         for s in range(0, prefixes.shape[0], batch):
             chunk = prefixes[s: s + batch]  # (b, d)
             seq = torch.cat([prompt.expand(chunk.shape[0], -1), chunk], dim=1)  # (b, T+d)
-            logits = model(input_ids=seq).logits[:, -1]  # (b, V)
+            logits = model(input_ids=seq).logits[:, -1].float()  # (b, V)
+            if processor is not None:
+                logits = processor(seq, logits.clone())  # (b, V) on each path's own context
             conds.append(next_token_probs(logits, sampling))  # (b, V)
         cond = torch.cat(conds).double()  # (V^d, V)
         joint = (joint.view(-1, 1) * cond).reshape(-1)  # (V^(d+1),)
