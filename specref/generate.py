@@ -18,6 +18,12 @@ speculation. Batches are ragged: each row keeps its own length in the cache, acc
 and stops on its own (eos inside an accepted run truncates the row there). Counters stay on the
 device until the end; the phases are timed on the host clock, and the device is synchronised for
 it only with `timing=True` (exact on CUDA then; on CPU the host clock is exact anyway).
+Host reads (each one waits for a GPU): a chain step makes two in the loop's own code (counted by
+tests/test_host_syncs.py): one of (rows alive, the longest context, the previous step's NaN/inf
+check: raised then, naming its step and row) and the chain's width. The cache and the target get
+the longest length from the first (no reads of their own); sampling with one generator per row
+draws a fixed k + 1 uniforms per row and step. A user's proposer adds its Draft check (checks.py),
+a tree its structure checks (tree.py), stop strings and a streamer their own reads.
 Logits processors that read the context (repetition penalty, no-repeat n-grams, min_new_tokens,
 bad words, presence / frequency penalties, a transformers LogitsProcessorList) are applied to p at
 every draft position on that position's own context, draft tokens included (processors.py), which
@@ -335,7 +341,16 @@ def speculative_generate(
         proposer.begin(ctx, sampling, generator)
 
         step_no = 0
-        while bool(ctx.active.any()):
+        bad = None  # (0-d bool) the last step's distributions held NaN/inf: raised at the next read
+        while True:
+            # the step's one device read (the chain's second is its width, in _verify_chain): rows
+            # alive, the longest context (the target cache holds one token less), last step's check
+            alive, top, failed = torch.stack([ctx.active.any().long(), ctx.lengths.max(),
+                                              bad.long() if bad is not None else ctx.lengths.new_zeros(())]).tolist()
+            if failed:  # names the model, the row and the step (checks.py)
+                checks.finite_or_raise(step_no - 1, who, **bad_at)
+            if not alive:
+                break
             # 1. draft
             t0 = clock()
             draft = proposer.propose(ctx, sampling, generator)
@@ -346,13 +361,17 @@ def speculative_generate(
             budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
             pending = ctx_tokens.gather(1, (ctx.lengths - 1).view(B, 1)).view(B)  # (B,)
             verify = _verify_tree if draft.is_tree else _verify_chain
-            block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer)
+            block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer, top - 1)
+            raw = block.logits
             if procs is not None:  # each row of the block on its own path's context (processors.py)
-                checks.finite_or_raise(step_no, who, logits=block.logits)
                 block.logits = processors.apply_to_block(procs, block.logits, ctx_tokens, ctx.lengths, n_new,
                                                          block.tokens, block.parents, block.lengths)
             # 3. accept: rejection.py, then each row's cut at its token budget and first eos
-            step = _accept(block, draft.q, sampling, generator, step_no, who, rule)
+            step, bad_at = _accept(block, draft.q, sampling, generator, rule, k + 1)
+            if procs is not None or sampling.greedy:
+                bad_at["logits"] = raw  # NaN has no argmax; processors' -inf is allowed, NaN is not
+            bad = torch.stack([_bad(t, name) for name, t in bad_at.items() if t is not None]).any()
+            step.emitted.clamp_(max=tgt.vocab_size - 1)  # a NaN step's garbage stays a valid id until raised
             if step.emitted.shape[1] > K + 1:
                 raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
                                  f"than its k = {k}")
@@ -395,8 +414,10 @@ def _output(tokens, n_new, stats, input_ids, return_sequences: bool, pad: Option
     return GenerationOutput(tokens, n_new, stats, seqs)
 
 
-def _verify_chain(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer) -> _Block:
-    """Score [pending, draft chain] in one forward; drafts are cut to each row's token budget."""
+def _verify_chain(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer,
+                  committed_max: int) -> _Block:
+    """Score [pending, draft chain] in one forward; drafts are cut to each row's token budget.
+    committed_max: the longest row's committed cache length (host-known: no device read)."""
     B, dev = pending.shape[0], pending.device
     lengths = torch.minimum(draft.lengths.to(dev), budget) * active  # (B,)
     K = int(lengths.max()) if B else 0
@@ -404,11 +425,12 @@ def _verify_chain(tgt, cache, draft, pending, budget, active, k, hidden_layers, 
     d_tok = draft.tokens[:, :K].to(dev)  # (B, K)
     d_tok = torch.where(pos.view(1, K) < lengths.view(B, 1), d_tok, torch.full_like(d_tok, -1))  # (B, K)
     block = torch.cat([pending.unsqueeze(1), d_tok], dim=1)  # (B, K+1)
-    out = tgt.verify_chain(cache, block, pad_to=k + 1, hidden_layers=hidden_layers)
+    out = tgt.verify_chain(cache, block, pad_to=k + 1, hidden_layers=hidden_layers, committed_max=committed_max)
     return _Block(d_tok, lengths, lengths, None, out.logits, out.hidden)  # logits (B, K+1, V)
 
 
-def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer) -> _Block:
+def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, proposer,
+                 committed_max: int) -> _Block:
     """Score [pending, tree nodes(, aux tokens)] in one forward with tree attention; the aux
     tokens' logits (lookahead's window) go to proposer.observe()."""
     B, dev = pending.shape[0], pending.device
@@ -443,36 +465,42 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
     return _Block(tok, lengths, deepest, par, logits, out.hidden)
 
 
-def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator, step: int,
-            who: str, rule: Optional[TypicalAcceptance] = None) -> StepResult:
+def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator,
+            rule: Optional[TypicalAcceptance] = None, draws: Optional[int] = None):
     """The rejection step (rejection.py): greedy exact match, or speculative sampling against p
     (or, when the proposer sets `acceptance_rule`, Medusa's typical acceptance: typical.py, lossy).
-    The distributions are checked here once (NaN / inf, naming the model, row and step); rejection.py
-    then runs unchecked (validate=False): the drafts are the library's own or passed check_draft."""
+    rejection.py runs unchecked (validate=False): the drafts are the library's own or passed
+    check_draft. Returns (StepResult, {name: tensor}) the distributions the loop checks for NaN /
+    inf at its next device read (checks.finite_or_raise names the row and the step then)."""
     N = block.tokens.shape[1]
     if sampling.greedy:
-        checks.finite_or_raise(step, who, logits=block.logits)
         if block.parents is None:
             res = rejection.verify_chain_greedy(block.tokens, block.logits, lengths=block.lengths, validate=False)
-            return StepResult(res.tokens, res.num_accepted)
+            return StepResult(res.tokens, res.num_accepted), {}
         res = rejection.verify_tree_greedy(block.tokens, block.parents, block.logits, lengths=block.lengths,
                                            validate=False)
-        return StepResult(res.tokens, res.num_accepted, res.path)
+        return StepResult(res.tokens, res.num_accepted, res.path), {}
     p = logits_to_probs(block.logits, sampling)  # (B, 1+N, V)
     q = None if q is None else q[:, :N].to(p)  # (B, N, V)
-    checks.finite_or_raise(step, who, p=p, q=q)
+    seen = {"p": p, "q": q}
     if rule is not None:  # lossy: the draft's q plays no part
         par = block.parents if block.parents is not None else (
             torch.arange(N, device=p.device) - 1).expand(p.shape[0], N)  # a chain as a tree
         res = typical.verify_tree_typical(block.tokens, par, p, rule, lengths=block.lengths, generator=generator,
                                           validate=False)
-        return StepResult(res.tokens, res.num_accepted, res.path if block.parents is not None else None)
+        return StepResult(res.tokens, res.num_accepted, res.path if block.parents is not None else None), seen
     if block.parents is None:
-        res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False)
-        return StepResult(res.tokens, res.num_accepted)
+        res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False,
+                                     draws=draws)
+        return StepResult(res.tokens, res.num_accepted), seen
     res = rejection.verify_tree(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator,
                                 validate=False)
-    return StepResult(res.tokens, res.num_accepted, res.path)
+    return StepResult(res.tokens, res.num_accepted, res.path), seen
+
+
+def _bad(x: torch.Tensor, name: str) -> torch.Tensor:
+    """(0-d bool) NaN in the logits (greedy has no argmax then), NaN or inf in p or q."""
+    return torch.isnan(x).any() if name == "logits" else (~torch.isfinite(x)).any()
 
 
 def _kept(step: StepResult, budget: torch.Tensor, active: torch.Tensor, eos: torch.Tensor):
@@ -493,7 +521,7 @@ def _commit(cache, step: StepResult, num_emit: torch.Tensor, hidden: Optional[to
     """Commit each row's kept slots (a tree path is gathered to contiguous slots first); returns the
     features of the committed tokens, (B, W, D_h) or None."""
     if step.path is None:
-        cache.commit(num_emit)
+        cache.commit(num_emit, validate=False)  # num_emit >= 0 by construction
         return hidden
     B = num_emit.shape[0]
     offsets = torch.cat([torch.zeros_like(step.path[:, :1]), step.path + 1], dim=1)  # (B, D+1) block offsets

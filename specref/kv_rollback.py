@@ -115,16 +115,19 @@ class SpecCache(Cache):
         ar = torch.arange(width, device=self.lengths.device)  # (Q,)
         return self.lengths.unsqueeze(1) + ar  # (B, Q)
 
-    def begin_block(self, width: int) -> torch.Tensor:
+    def begin_block(self, width: int, committed_max: Optional[int] = None) -> torch.Tensor:
         """Prepare to write a block of `width` tokens after each row's committed tokens.
 
         Raises ValueError before any state changes if a row would overflow max_len.
-        Returns the slots (B, Q), which are also the position ids of a chain block.
+        committed_max: the longest row's committed length if the caller knows it on the host (the
+        loop does: no device read then). Returns the slots (B, Q), also a chain block's position ids.
         """
-        top = int(self.lengths.max()) + width if self.batch else width
+        if committed_max is None:
+            committed_max = int(self.lengths.max()) if self.batch else 0
+        top = committed_max + width
         if top > self.max_len:
             raise ValueError(
-                f"KV cache overflow: a block of {width} tokens after {int(self.lengths.max())} committed "
+                f"KV cache overflow: a block of {width} tokens after {committed_max} committed "
                 f"tokens needs {top} slots, but max_len is {self.max_len}; allocate a larger cache")
         self.block_slots = self.block_slots_for(width)  # (B, Q)
         return self.block_slots
@@ -134,10 +137,11 @@ class SpecCache(Cache):
         self.block_slots = slots
 
     # -- committing ------------------------------------------------------------------------------
-    def commit(self, keep: torch.Tensor) -> None:
-        """Chain: keep the first keep[b] slots of the block just written in row b (0 = roll back all)."""
+    def commit(self, keep: torch.Tensor, validate: bool = True) -> None:
+        """Chain: keep the first keep[b] slots of the block just written in row b (0 = roll back all).
+        validate=False skips the check keep >= 0 (a device read) for callers that guarantee it."""
         keep = keep.to(self.lengths)
-        if bool((keep < 0).any()):
+        if validate and bool((keep < 0).any()):
             raise ValueError(f"keep must be >= 0, got {keep.tolist()}")
         self.lengths += keep
         self.block_slots = None

@@ -29,6 +29,8 @@ the final token by inverse CDF; a row with a tree of N_b nodes consumes N_b + 1:
 i, u[b, N_b] for the final token. With one generator per row, a row's draws therefore never depend
 on the other rows' draft lengths (batch independence). A chain and the same chain written
 as a tree (parents [-1, 0, 1, ...]) give identical results from identical generators.
+`verify_chain(..., draws=k + 1)` (generate.py's loop) has every row consume exactly k + 1 instead,
+a constant of the proposer: rows stay independent and no length is read back to the host.
 
 Left out: typical acceptance (lossy, Medusa's; not in specref yet), SpecTr's optimal-transport
 verification and Sequoia's sampling without replacement.
@@ -139,7 +141,7 @@ def _target_argmax(x: torch.Tensor, B: int, R: int, validate: bool = True) -> to
 
 def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.Tensor] = None, *,
                  lengths: Optional[torch.Tensor] = None, generator: Generators = None,
-                 validate: bool = True) -> ChainResult:
+                 validate: bool = True, draws: Optional[int] = None) -> ChainResult:
     """Speculative sampling of a batch of ragged draft chains. Vectorised over rows and positions.
 
     draft_tokens (B, K) long, -1 beyond a row's length; lengths (B,) (default: count before the
@@ -159,6 +161,9 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
     -1, -1 inside a row's length, NaN/inf/negative entries or a distribution not summing to 1.
     validate=False skips those checks (and their host syncs): for callers that guarantee valid
     inputs, as generate.py's loop does after its own checks (checks.py); lengths must be given.
+    draws: with one generator per row, each row draws exactly `draws` (>= K + 1) uniforms instead
+    of lengths[b] + 1 (the loop passes its proposer's k + 1: a constant, so rows stay independent,
+    and no length is read back from the device).
     """
     if not isinstance(p, torch.Tensor) or p.dim() != 3:
         raise ValueError(f"p must be a (B, K+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
@@ -172,7 +177,7 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
     if q is not None:
         q = _check_probs(q, "q", (B, K, V), valid, validate)
     dev = p.device
-    u = ragged_uniforms(lengths + 1, K + 1, generator, dev)  # (B, K+1), row b uses lengths[b] + 1
+    u = ragged_uniforms(lengths + 1, K + 1, generator, dev, fixed=draws)  # (B, K+1), row b uses lengths[b] + 1
     x = draft_tokens.clamp(min=0)  # (B, K) placeholders read token 0, masked by `valid`
     rows = torch.arange(B, device=dev)  # (B,)
 

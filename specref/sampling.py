@@ -116,17 +116,24 @@ def uniforms(shape_per_row: Sequence[int], batch: int, generator: Generators,
 
 
 def ragged_uniforms(counts: torch.Tensor, width: int, generator: Generators,
-                    device: Union[str, torch.device]) -> torch.Tensor:
+                    device: Union[str, torch.device], fixed: Optional[int] = None) -> torch.Tensor:
     """Uniform(0, 1) draws (B, width) where row b needs only its first counts[b] (<= width). With one
     generator per row, row b draws exactly counts[b] from generator b (the rest of the row is 0.5,
     never to be read), so how much a row consumes never depends on the other rows. With one shared
-    generator the whole (B, width) block is drawn (rows are not independent then anyway)."""
+    generator the whole (B, width) block is drawn (rows are not independent then anyway).
+    fixed: every row draws exactly `fixed` (>= width) from its generator instead, a constant of the
+    caller (generate.py's loop: the proposer's k + 1), so rows stay independent and no count is read
+    back from the device."""
     B = int(counts.shape[0])
     if not isinstance(generator, (list, tuple)):  # one shared generator (or torch's global one)
         return uniforms((width,), B, generator, device)
     gens = as_generators(generator, B)
     if not gens:
         return torch.empty((0, width), device=device)  # (0, width)
+    if fixed is not None:
+        if fixed < width:
+            raise ValueError(f"fixed draws {fixed} < width {width}")
+        return torch.stack([torch.rand(fixed, generator=g, device=g.device)[:width] for g in gens]).to(device)
     rows = []
     for b, g in enumerate(gens):
         n = int(counts[b])

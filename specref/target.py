@@ -190,16 +190,17 @@ class Target:
     @torch.no_grad()
     def forward_block(self, cache: SpecCache, tokens: torch.Tensor, positions: torch.Tensor,
                       allowed: torch.Tensor, slots: Optional[torch.Tensor] = None,
-                      hidden_layers: Optional[tuple] = None) -> BlockOutput:
+                      hidden_layers: Optional[tuple] = None, span_checked: bool = False) -> BlockOutput:
         """One forward of a block. tokens/positions (B, Q); allowed (B, Q, S) bool attention;
         slots (B, Q) where the block's K/V are written (default: after each row's length);
-        hidden_layers: return these layers' states (default: TargetConfig.hidden_layers)."""
+        hidden_layers: return these layers' states (default: TargetConfig.hidden_layers);
+        span_checked: the caller built `allowed` to cover the block's slots (skips a device read)."""
         if slots is None:
             cache.begin_block(tokens.shape[1])
         else:
             cache.set_block_slots(slots)
         S = allowed.shape[-1]
-        if S != cache.max_len and (self.config.compile or S < int(cache.block_slots.max()) + 1):
+        if S != cache.max_len and (self.config.compile or (not span_checked and S < int(cache.block_slots.max()) + 1)):
             raise ValueError(f"allowed covers {S} slots: need all {cache.max_len} under compile, else at "
                              f"least up to the block's last slot {int(cache.block_slots.max())}")
         mask = additive_mask(allowed, self.dtype)  # (B, 1, Q, S)
@@ -240,25 +241,26 @@ class Target:
         return out
 
     def verify_chain(self, cache: SpecCache, block: torch.Tensor, pad_to: Optional[int] = None,
-                     hidden_layers: Optional[tuple] = None) -> BlockOutput:
+                     hidden_layers: Optional[tuple] = None, committed_max: Optional[int] = None) -> BlockOutput:
         """Score block (B, Q) = [last committed token, draft_1..draft_{Q-1}] (-1 padding allowed).
 
         Returns logits (B, Q, V): row i is the target's next-token logits after block[:, :i+1].
         The caller then commits 1 + accepted slots per row. With compile=True a block of Q > 1 is
         padded to `pad_to` columns (static shapes: one compiled graph for every drafted block, one
         for the undrafted Q = 1 steps); the padding's logits are dropped and its slots stay beyond
-        the committed length.
+        the committed length. committed_max: the longest row's committed length, if the caller knows
+        it on the host (generate.py's loop does): the block then needs no device read.
         """
         Q = block.shape[1]
         if self.config.compile and pad_to is not None and pad_to > Q > 1:
             block = torch.cat([block, block.new_zeros(block.shape[0], pad_to - Q)], dim=1)  # (B, pad_to)
         W = block.shape[1]
-        slots = cache.begin_block(W)  # (B, W) == position ids
-        S = self._span(cache, int(slots.max()) + 1)
+        slots = cache.begin_block(W, committed_max)  # (B, W) == position ids
+        S = self._span(cache, (int(slots.max()) if committed_max is None else committed_max + W - 1) + 1)
         ar = torch.arange(S, device=block.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
         out = self.forward_block(cache, block.clamp(min=0), slots, allowed, slots=slots,
-                                 hidden_layers=hidden_layers)
+                                 hidden_layers=hidden_layers, span_checked=True)
         if W != Q:
             out = BlockOutput(out.logits[:, :Q], None if out.hidden is None else out.hidden[:, :Q])
         return out
