@@ -454,7 +454,7 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
         anc_blk[:, 1 + N:] = draft.aux.mask.to(dev)
         dep_blk = torch.cat([dep_blk, draft.aux.depth.to(dev)], dim=1)  # (B, Q)
         block = torch.cat([block, draft.aux.tokens.to(dev)], dim=1)  # (B, Q)
-    out = tgt.verify_tree(cache, block, anc_blk, dep_blk, hidden_layers=hidden_layers)
+    out = tgt.verify_tree(cache, block, anc_blk, dep_blk, hidden_layers=hidden_layers, committed_max=committed_max)
     logits = out.logits  # (B, Q, V)
     if E:
         observe = getattr(proposer, "observe", None)

@@ -266,15 +266,17 @@ class Target:
         return out
 
     def verify_tree(self, cache: SpecCache, block: torch.Tensor, ancestors: torch.Tensor,
-                    depth: torch.Tensor, hidden_layers: Optional[tuple] = None) -> BlockOutput:
+                    depth: torch.Tensor, hidden_layers: Optional[tuple] = None,
+                    committed_max: Optional[int] = None) -> BlockOutput:
         """Score a tree block (B, 1+N) = [root, node_1..node_N] in one forward.
 
         ancestors (B, 1+N, 1+N) bool: block position i may attend block position j (j == i or an
         ancestor; the root is everyone's ancestor). depth (B, 1+N): 0 for the root.
+        committed_max: the longest row's committed length if the caller knows it (no device read).
         """
         Q = block.shape[1]
-        slots = cache.begin_block(Q)  # (B, Q)
-        S = self._span(cache, int(slots.max()) + 1)
+        slots = cache.begin_block(Q, committed_max)  # (B, Q)
+        S = self._span(cache, (int(slots.max()) if committed_max is None else committed_max + Q - 1) + 1)
         L = cache.lengths.view(-1, 1, 1)  # (B, 1, 1)
         ar = torch.arange(S, device=block.device).view(1, 1, S)  # (1, 1, S)
         rel = (ar - L).clamp(min=0, max=Q - 1).expand(block.shape[0], Q, S)  # (B, Q, S)
@@ -282,4 +284,4 @@ class Target:
         allowed = (ar < L) | ((ar >= L) & (ar < L + Q) & in_block)  # (B, Q, S)
         positions = cache.lengths.unsqueeze(1) + depth  # (B, Q)
         return self.forward_block(cache, block.clamp(min=0), positions, allowed, slots=slots,
-                                  hidden_layers=hidden_layers)
+                                  hidden_layers=hidden_layers, span_checked=True)
