@@ -229,8 +229,9 @@ def speculative_generate(
     """Generate up to max_new_tokens per row with speculative decoding.
 
     target: a HF causal LM or a `Target`. proposer: any object of the Proposer protocol.
-    input_ids (B, T) with attention_mask (left or right padding) or (T,). temperature 0 = greedy
-    (default 1.0; top_k 0 and top_p 1.0 are off; eos_token_id None = no eos).
+    input_ids (B, T) with attention_mask (left or right padding) or (T,). temperature 0 = greedy.
+    Not passed: the generation config's value (below), else temperature 1.0, top_k 0 and top_p 1.0
+    (off), no eos; eos_token_id=None passed = no eos even if the model's config names one.
     generator: one torch.Generator for the batch or one per row; else `seed` seeds one per row
     (seed, seed+1, ...); with neither, a random seed is drawn from torch's global generator.
     max_len: the target cache's slots per row (default: just enough). timing: synchronise the

@@ -194,3 +194,25 @@ def test_a_transformers_processor_list_is_applied_per_path():
     assert torch.equal(b.tokens, ar.tokens) and b.stats.num_accepted_tokens > 0
     plain = speculative_generate(target, mk(), ids, mask, max_new_tokens=16, temperature=0)
     assert not torch.equal(a.tokens, plain.tokens)  # the penalty changed the output
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    """vLLM's rule: logit -= frequency * count + presence * [count > 0], counts over the row's
+    generated tokens (the prompt does not count), checked against a loop over the row."""
+    g = torch.Generator().manual_seed(1)
+    V, M, T = 9, 4, 10
+    tokens = torch.randint(0, 5, (M, T), generator=g)
+    lengths, new = torch.tensor([10, 7, 3, 1]), torch.tensor([4, 7, 0, 1])
+    logits = torch.randn(M, V, generator=g)
+    got = processors.PresenceFrequencyPenalty(0.5, 0.25)(tokens, lengths, new, logits)
+    for m in range(M):
+        gen = tokens[m, lengths[m] - new[m]: lengths[m]].tolist()
+        want = logits[m].clone()
+        for v in set(gen):
+            want[v] -= 0.25 * gen.count(v) + 0.5
+        assert torch.allclose(got[m], want), m
+    # through the loop: greedy with a large presence penalty never repeats a generated token
+    target = tiny_model("llama", vocab_size=48, seed=3)
+    out = autoregressive_generate(target, torch.tensor([[1, 2, 3]]), max_new_tokens=20, temperature=0,
+                                  presence_penalty=100.0)
+    assert len(set(out.row(0))) == 20
