@@ -1,4 +1,4 @@
-"""transformers' conventions: GenerationConfig in, sequences out, stop strings, streamers, errors."""
+"""hf_generation.py: transformers' conventions (GenerationConfig in, sequences out, stop strings, streamers, errors)."""
 import copy
 
 import pytest
