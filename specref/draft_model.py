@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
@@ -30,7 +29,7 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, greedy_tokens, logits_to_probs, sample_rows
 from .target import Target, TargetConfig
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_weights, weights_info
+from .weights import FOLDER, load_tensors, load_token_map, save_weights, warn_if_other_target, weights_info
 
 
 @dataclass(frozen=True)
@@ -266,9 +265,7 @@ def load_trained_draft(target: Optional[torch.nn.Module] = None, path=None
         from .models import load_default
 
         target, _ = load_default()
-    if info["target_fingerprint"] != fingerprint(target):
-        warnings.warn(f"{path} was trained for a target with fingerprint {info['target_fingerprint']}, "
-                      "not this one: it stays lossless but may be accepted rarely")
+    warn_if_other_target(path, info, target)
     token_map = load_token_map(path)  # (Vd,)
     draft = build_draft(target, int(info["num_layers"]), token_map)
     load_tensors(path, {n: q for n, q in draft.named_parameters() if q.requires_grad}, "trained draft")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -46,7 +45,7 @@ from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import Target, additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
+from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-eagle-1"
 WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors"
@@ -291,9 +290,7 @@ def load_eagle(target: torch.nn.Module, path=WEIGHTS) -> EagleHead:
     """An EagleHead for `target` with the weights of a file written by save_eagle (default: the
     committed head of the default model)."""
     meta = eagle_info(path)
-    if meta.get("target_fingerprint") != fingerprint(target):
-        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
-                      "it stays lossless but may be accepted rarely")
+    warn_if_other_target(path, meta, target)
     head = EagleHead(target, load_token_map(path))
     load_tensors(path, dict(head.trainable()), "EAGLE head")
     return head.eval()

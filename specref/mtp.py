@@ -57,7 +57,7 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
-from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
+from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-mtp-1"
 WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors"
@@ -289,9 +289,7 @@ def load_mtp(target: torch.nn.Module, path=WEIGHTS) -> MTPStack:
     """An MTPStack for `target` with the weights of a file written by save_mtp (default: the
     committed modules of the default model)."""
     meta = mtp_info(path)
-    if meta.get("target_fingerprint") != fingerprint(target):
-        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
-                      "it stays lossless but may be accepted rarely")
+    warn_if_other_target(path, meta, target)
     stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)))
     load_tensors(path, dict(stack.trainable()), "MTP modules")
     return stack.eval()

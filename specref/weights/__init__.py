@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Dict
 
@@ -67,6 +68,14 @@ def weights_info(path, fmt: str, what: str, how: str) -> dict:
         raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
     meta["record"] = json.loads(meta.get("record", "{}"))
     return meta
+
+
+def warn_if_other_target(path, meta: dict, target: torch.nn.Module) -> None:
+    """Warn (not raise) when the file was trained for another target: a draft of the same
+    vocabulary stays lossless on any target, it is only accepted less often."""
+    if meta.get("target_fingerprint") != fingerprint(target):
+        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
+                      "it stays lossless but may be accepted rarely")
 
 
 def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:

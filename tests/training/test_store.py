@@ -7,21 +7,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specref.models import tiny_model
 from specref.training import corpus, store
 from specref.training.corpus import Doc, Source, encode, overlap_filter, token_source, word_ngrams
-from specref.training.data import Seq, collate
+from specref.training.data import Seq
 from specref.training.store import (StoreConfig, build_store, iter_store, pack, read_store_shard, store_shards,
                                     store_split, write_store_shard)
 
 V = 64
 
 
-def _target():
-    m = tiny_model("llama", vocab_size=V, num_layers=2, seed=3, init_std=0.2, logit_scale=2.0)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
+from test_training import _target  # the same frozen V = 64 target
 
 
 def _sources(n=60, seed=0):
