@@ -22,7 +22,9 @@ from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
                      chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance)
+from .picker import PickerConfig, Recommendation, recommend
 from .proposer import Context, Draft, Proposer
+from .registry import METHODS, Registry
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
 from .target import Target, TargetConfig
@@ -44,12 +46,12 @@ __all__ = [  # sorted
     "EagleHead", "EagleProposer", "GREEDY", "GenerationOutput", "GenerationStats", "HybridConfig",
     "HybridProposer", "LookaheadConfig", "LookaheadProposer", "MedusaConfig", "MedusaHeads", "MedusaProposer",
     "MTPConfig", "MTPProposer", "MTPStack", "NgramConfig", "NgramProposer",
-    "NullProposer", "Proposer", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
+    "METHODS", "NullProposer", "PickerConfig", "Proposer", "Recommendation", "Registry", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator", "check_greedy_verifier",
     "check_rejection_sampler", "check_tree_sampler", "chi_square_gof", "chi_square_two_sample",
     "detectable_tv", "expected_tokens", "joint_index",
     "load_default", "load_eagle", "load_medusa", "load_mtp", "load_native_mtp", "load_trained_draft", "logits_to_probs", "make_generators",
-    "measure_cost", "measure_verify_cost", "optimal_k", "propose_ngram", "samples_for_tv",
+    "measure_cost", "measure_verify_cost", "optimal_k", "propose_ngram", "recommend", "samples_for_tv",
     "speculative_generate", "speedup", "truncated_draft", "tv_distance", "verify_chain",
     "verify_chain_greedy", "verify_tree", "verify_tree_greedy", "verify_tree_typical",
 ]

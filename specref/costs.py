@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -77,12 +77,20 @@ def measure_verify_cost(target, k: int, cache_len: int = 200, reps: int = 9) -> 
     widths = list(range(1, k + 2))
     med = median_block_times(t, widths, cache_len, reps, warmup=1)
     t1 = med[1]
-    ratios = [med[w] / t1 for w in widths]
-    if k == 1:
-        return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "t1": t1, "ratios": ratios}
-    x = torch.tensor([w - 1.0 for w in widths[1:]], dtype=torch.float64)  # extra tokens, W >= 2
+    return {**fit_verify_cost([med[w] / t1 for w in widths]), "t1": t1}
+
+
+def fit_verify_cost(ratios: List[float], k: Optional[int] = None) -> Dict[str, float]:
+    """c and c0 of cost(W) = 1 + c0 [W > 1] + c (W - 1) fitted (least squares, both >= 0) to the
+    ratios cost(W) for W = 1..k+1 (default: all of them). Returns {"c", "c0", "ratios"}."""
+    ratios = list(ratios[: (len(ratios) if k is None else k + 1)])
+    if len(ratios) < 2:
+        raise ValueError(f"need cost ratios for W = 1 and 2 at least, got {len(ratios)}")
+    if len(ratios) == 2:
+        return {"c": 0.0, "c0": max(ratios[1] - 1.0, 0.0), "ratios": ratios}
+    x = torch.tensor([w - 1.0 for w in range(2, len(ratios) + 1)], dtype=torch.float64)  # extra tokens, W >= 2
     y = torch.tensor(ratios[1:], dtype=torch.float64) - 1.0
     c = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
     c = max(c, 0.0)
     c0 = max(float((y - c * x).mean()), 0.0)
-    return {"c": c, "c0": c0, "t1": t1, "ratios": ratios}
+    return {"c": c, "c0": c0, "ratios": ratios}

@@ -120,7 +120,7 @@ def test_processors_greedy_parity_with_transformers(default):
 
     model, tok, enc, _ = default
     procs = dict(repetition_penalty=1.2, no_repeat_ngram_size=3, min_new_tokens=8)
-    eos, n = model.generation_config.eos_token_id, 16
+    eos, n = model.generation_config.eos_token_id, 12  # min_new_tokens 8 acts on most of them
     want = []
     for b in range(len(PROMPTS)):
         r = enc.input_ids[b][enc.attention_mask[b].bool()].view(1, -1)

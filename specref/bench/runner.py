@@ -31,7 +31,9 @@ mixed with the fraction f of steps that drafted at all: ((1-f) + f E) / ((1-f) +
 v = the method's verify forward / one `ar` forward (what the closed form leaves out); peak memory
 (RSS high-water mark per call on CPU, torch.cuda.max_memory_allocated on CUDA); and whether the
 greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
-Batch > 1: `--batch-size 1 4 16` (bench/batch.py). Left out: second turns, methods not yet in specref
+Batch > 1: `--batch-size 1 4 16` (bench/batch.py). `--pick`: the picker (picker.py) calibrates on
+the same prompts and methods after the warm-up, timed apart, and its predictions are compared with
+the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png). Left out: second turns, methods not yet in specref
 (Medusa, EAGLE-2/3, MTP).
 """
 from __future__ import annotations
@@ -75,6 +77,8 @@ class BenchConfig:
     lookahead: tuple = (7, 5, 7)  # lookahead's (W, N, G): Spec-Bench's setting
     seed: int = 0
     progress: bool = True
+    pick: bool = False  # also run the picker's calibration (picker.py) and compare it with the bench
+    pick_tokens: int = 56  # greedy: new tokens of the real answer each method is replayed on
 
 
 # ----------------------------------------------------------------------------- questions
@@ -183,7 +187,11 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             if hasattr(dynamo.config, knob):
                 setattr(dynamo.config, knob, max(256, getattr(dynamo.config, knob)))
     target = Target(model, TargetConfig(compile=cfg.compile))  # prefill stays eager
-    methods, skipped = build_methods(cfg, model, eos, target)
+    from ..registry import Registry
+
+    reg = Registry(model, target, kind="tiny" if cfg.model == "tiny" else "default" if cfg.model == "default"
+                   else "custom", draft_k=cfg.draft_k, lookahead=cfg.lookahead)
+    methods, skipped = build_methods(cfg, model, eos, target, registry=reg)
     prompts = [torch.tensor([encode(q["turns"][0])], device=dev) for q in questions]  # (1, T) each
     slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
     fixed = _bucket(max(p.shape[1] for p in prompts) + slack) if cfg.compile else None
@@ -197,6 +205,15 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             target.prefill(cache, warm, torch.tensor([warm.shape[1]], device=dev), logits=False)
             target.verify_chain(cache, warm[:, -1:].repeat(1, kk + 1), pad_to=kk + 1)
 
+    cal = None
+    if cfg.pick:  # the picker on the same prompts and methods, timed apart from the bench's runs
+        from ..picker import PickerConfig, calibrate
+
+        cand = tuple(m.name for m in methods if m.specref and m.name != "ar")
+        pc = PickerConfig(methods=cand, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                          replay_tokens=cfg.pick_tokens, budget_s=None, seed=cfg.seed, progress=cfg.progress)
+        cal = calibrate(model, [p[0].tolist() for p in prompts], pc, reg, groups=[q["category"] for q in questions])
+    t_loop = time.perf_counter()
     records: Dict[str, List[dict]] = {m.name: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods), desc="spec-bench", disable=not cfg.progress)
     for i, (q, ids) in enumerate(zip(questions, prompts)):
@@ -212,6 +229,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             records[m.name].append(rec)
             bar.update(1)
     bar.close()
+    t_loop = time.perf_counter() - t_loop
     for m in methods:  # greedy identity with the baseline, token for token
         for rec, base in zip(records[m.name], records["ar"]):
             rec["identical"] = (rec["tokens"] == base["tokens"]) if cfg.temperature == 0 else None
@@ -222,7 +240,15 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
                 ks={m.name: m.k for m in methods}, cache="fixed" if fixed else "per question, 128-slot buckets")
     meta["machine"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     meta["duration_s"] = time.perf_counter() - t_start
-    return dict(meta=meta, summary=summarize(records, [m.name for m in methods]), records=records)
+    meta["timed_loop_s"] = t_loop
+    result = dict(meta=meta, summary=summarize(records, [m.name for m in methods]), records=records)
+    if cal is not None:
+        from .picker_check import compare
+
+        spec = {m: s for m, s in result["summary"].items() if m == "ar" or m in cal.methods}
+        result["picker"] = dict(compare=compare(cal, spec), calibration_s=cal.seconds, setup_s=cal.setup_seconds,
+                                records=cal.records, verify_ratios=cal.verify_ratios)
+    return result
 
 
 def _bucket(n: int, step: int = 128) -> int:
@@ -264,6 +290,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"),
                     help="Markdown file whose bench section is replaced ('none': skip)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--pick", action="store_true", help="also calibrate the picker (picker.py) on the same "
+                    "prompts and methods, and write predicted against measured to <out>/picker.{md,json,png}")
+    ap.add_argument("--pick-tokens", type=int, default=56, help="picker: new tokens of the real answer per prompt")
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1],
                     help="batch sizes, e.g. 1 4 16: total throughput per method at each (bench/batch.py); "
                          "writes <out>/batch/batch.json and the batch section of the Markdown file")
@@ -292,7 +321,8 @@ def bench_main(argv=None) -> int:
     cfg = BenchConfig(methods=methods, lookahead=look, categories=_split(a.categories), questions=per,
                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
                       compile=a.compile, dtype=a.dtype, question_file=a.question_file, model=a.model,
-                      draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress)
+                      draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
+                      pick=a.pick, pick_tokens=a.pick_tokens)
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
     command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)
@@ -317,6 +347,16 @@ def bench_main(argv=None) -> int:
     paths = write_outputs(result, Path(a.out), md)
     print("\n" + paths["table"])
     print("\nwrote " + ", ".join(str(p) for k, p in paths.items() if k != "table"))
+    if "picker" in result:
+        from ..picker import save
+        from .picker_check import comparison_markdown, plot_comparison
+
+        pk, out = result["picker"], Path(a.out)
+        text = comparison_markdown(pk["compare"], pk["calibration_s"], result["meta"]["timed_loop_s"])
+        (out / "picker.md").write_text(text + "\n", encoding="utf-8")
+        save(pk, out / "picker.json")
+        plot_comparison(pk["compare"], out / "picker.png")
+        print("\n" + text + f"\nwrote {out / 'picker.md'}, picker.json, picker.png")
     bad = [name for name, s in result["summary"].items()
            if result["meta"]["specref"].get(name) and s["overall"]["identical"] is False]
     if bad:

@@ -1,0 +1,530 @@
+"""The picker's measurements (picker.py predicts from them): a short calibration on the user's prompts.
+
+Greedy, batch 1 (`Replay`): per prompt ONE real answer of `replay_tokens` new tokens by a fast
+lossless method (n-gram, else EAGLE: the greedy answer is the target's whatever the method), with
+the target's features captured; a few real autoregressive steps (the target's one-token forward
+t_1 and the loop's time per step at this context); then every candidate method REPLAYED on that
+answer: its own loop runs for real (proposer, acceptance, rollback) against a stand-in target that
+puts all mass on the answer's next token and returns the recorded features, so the method's
+acceptance is measured over the whole answer at the cost of its proposer alone. A step's verify
+forward is priced by the real loop's own forwards: every verify of the real answer and of a few
+real autoregressive steps is timed, and `fit_verify_curve` fits seconds = t_1(prompt) v(W) to them
+(alternating medians; widths never seen keep the shape of costs.measure_verify_cost's curve, scaled),
+so the price of a replayed step is its proposer's and loop's measured time plus t_1 v(W) at the
+widths it asked for. Exact for greedy decoding: a block row off the answer follows a mismatch,
+which ends the step before that row's token matters. Lookahead reads the target's logits on its
+own Jacobi window, so it runs for real (calib_tokens // 3 new tokens).
+
+T > 0 or batch > 1 (`_windows_all`): every method runs for real, each on the next `calib_tokens`
+tokens of one generation (windows in an order rotated per batch, so every method is measured
+early and late in the answers), all from ONE prefill per prompt (`_SharedPrefill` copies the
+saved cache and prefills only the new tokens).
+
+Per (prompt, method) record: steps, drafts, drafted / accepted per position, the proposer's setup
+(its `begin`), seconds per step (step_s), the autoregressive step t_ar_s, the prompt's prefill.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .registry import METHODS, Registry, check_method
+from .target import BlockOutput, Target
+
+
+@dataclass(frozen=True)
+class PickerConfig:
+    """Settings of one calibration and its prediction."""
+
+    methods: Optional[tuple] = None  # candidates (registry names); None: every lossless method this
+    # model has (medusa_typical, lossy at T > 0, only when named)
+    temperature: float = 0.0  # the workload's sampling temperature (0 = greedy)
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 1  # rows per generate call of the workload
+    max_new_tokens: int = 128  # new tokens per request of the workload (what is predicted)
+    calib_tokens: int = 12  # new tokens per measured window (T > 0, batch > 1, lookahead)
+    replay_tokens: int = 56  # greedy, batch 1: new tokens of the one real answer per prompt that
+    # every method is replayed on
+    max_prompts: Optional[int] = None  # most prompts sampled (None: as many as budget_s allows)
+    budget_s: Optional[float] = 60.0  # calibration time bound (None: every prompt); at least one
+    min_gain: float = 0.05  # speculate only where the predicted speed-up is at least 1 + min_gain
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_new_tokens", "calib_tokens", "replay_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.max_prompts is not None and (not isinstance(self.max_prompts, int) or self.max_prompts < 1):
+            raise ValueError(f"max_prompts must be None or an int >= 1, got {self.max_prompts!r}")
+        if self.budget_s is not None and not (isinstance(self.budget_s, (int, float)) and self.budget_s > 0):
+            raise ValueError(f"budget_s must be a number > 0 (or None), got {self.budget_s!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (isinstance(self.min_gain, (int, float)) and self.min_gain >= 0):
+            raise ValueError(f"min_gain must be >= 0, got {self.min_gain!r}")
+        if self.methods is not None:
+            if isinstance(self.methods, str) or not len(self.methods):
+                raise ValueError(f"methods must be a non-empty sequence of names, got {self.methods!r}")
+            for m in self.methods:
+                check_method(m)
+
+
+# ----------------------------------------------------------------------------- one shared prefill
+
+
+class _SharedPrefill:
+    """A Target whose prefill continues from the last prefilled context when the new one extends
+    it row by row: the saved cache is copied and only the new tokens run through the model. The
+    calibration's windows are consecutive pieces of one generation, so each window's prefill costs
+    its own few tokens, not the whole prompt again."""
+
+    def __init__(self, target: Target, hidden_layers: Optional[tuple]):
+        self.target, self.hidden_layers, self.state = target, hidden_layers, None
+
+    def wrap(self) -> Target:
+        t = copy.copy(self.target)
+        t.prefill = self.prefill
+        return t
+
+    def _restore(self, cache) -> torch.Tensor:
+        kv, lengths = self.state["kv"], self.state["lengths"]
+        for layer, saved in zip(cache.layers, kv):
+            if saved is not None:
+                k, v = saved
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k, v)
+                layer.keys[:, :, : k.shape[2]].copy_(k)
+                layer.values[:, :, : v.shape[2]].copy_(v)
+        cache.lengths.copy_(lengths.to(cache.lengths.device))
+        return lengths
+
+    def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
+        want = self.hidden_layers
+        if logits or tokens.shape[1] == 0 or (hidden_layers is not None and hidden_layers != want):
+            return self.target.prefill(cache, tokens, lengths, logits=logits, hidden_layers=hidden_layers)
+        tok, lens = tokens.cpu(), lengths.cpu()  # (B, T), (B,)
+        B, dev = tok.shape[0], tokens.device
+        st = self.state
+        start = torch.zeros_like(lens)
+        if st is not None and st["tokens"].shape[0] == B and bool((st["lengths"] <= lens).all()) and all(
+                torch.equal(st["tokens"][b, : int(st["lengths"][b])], tok[b, : int(st["lengths"][b])])
+                for b in range(B)):
+            start = self._restore(cache)
+        ext_len = lens - start  # (B,)
+        E = int(ext_len.max())
+        hidden = None
+        if E > 0:
+            ext = torch.zeros(B, E, dtype=torch.long)  # (B, E) right-padded new tokens of each row
+            for b in range(B):
+                ext[b, : int(ext_len[b])] = tok[b, int(start[b]): int(lens[b])]
+            out = self.target.prefill(cache, ext.to(dev), ext_len.to(dev), logits=False, hidden_layers=want)
+            hidden = out.hidden
+        H = None
+        if want is not None:
+            D = hidden.shape[-1] if hidden is not None else st["hidden"].shape[-1]
+            H = torch.zeros(B, tok.shape[1], D, dtype=self.target.dtype, device=dev)  # (B, T, D)
+            for b in range(B):
+                s0, n = int(start[b]), int(ext_len[b])
+                if s0:
+                    H[b, :s0] = st["hidden"][b, :s0]
+                if n:
+                    H[b, s0: s0 + n] = hidden[b, :n]
+        L = int(lens.max())
+        self.state = dict(tokens=tok.clone(), lengths=lens.clone(), hidden=H,
+                          kv=[(layer.keys[:, :, :L].clone(), layer.values[:, :, :L].clone())
+                              if layer.is_initialized else None for layer in cache.layers])
+        V = self.target.vocab_size
+        return BlockOutput(logits=torch.zeros(B, 0, V, device=dev), hidden=H if hidden_layers is not None else None)
+
+
+class Replay(Target):
+    """A stand-in target that replays one known greedy generation z (prompt + answer, (T,)) and its
+    recorded features (T-1, D): a verify block's row at position t gets all its mass on z[t+1], the
+    target's own greedy choice there, and the features at t. A method's loop then runs for real
+    (its proposer, the acceptance rule, the rollback, the bookkeeping) while the target's forwards
+    cost nothing; what they would cost comes from the fitted verify-cost curve (fit_verify_curve)
+    at the widths logged in `widths`. Exact for greedy decoding: a row off the trajectory follows a mismatch,
+    which ends the step before its token matters. Not for lookahead (it reads the target's logits
+    on its own window) or T > 0."""
+
+    def __init__(self, target: Target, z: torch.Tensor, feats: Optional[torch.Tensor]):
+        self.base, self.z, self.feats = target, z, feats  # (T,), (T - 1, D) or None
+        for name in ("model", "config", "vocab_size", "device", "dtype", "max_positions", "packed"):
+            setattr(self, name, getattr(target, name))
+        self.num_layers = 0  # the cache only counts committed tokens
+        self.widths: List[int] = []
+        self.seconds = 0.0  # the stand-in's own time (taken out of the loop's measured time)
+
+    def session(self):
+        return self.base.session()  # the proposers' heads run as they would with the real target
+
+    def _rows(self, positions: torch.Tensor, hidden_layers) -> BlockOutput:
+        B, Q = positions.shape
+        nxt = self.z[(positions + 1).clamp(max=self.z.shape[0] - 1)]  # (B, Q) the target's choices
+        logits = torch.zeros(B, Q, self.vocab_size, device=self.device)
+        logits.scatter_(2, nxt.unsqueeze(-1), 30.0)
+        hidden = None
+        if hidden_layers is not None and self.feats is not None:
+            hidden = self.feats[positions.clamp(max=self.feats.shape[0] - 1)]  # (B, Q, D)
+        return BlockOutput(logits=logits, hidden=hidden)
+
+    def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
+        t0 = time.perf_counter()
+        B, T = tokens.shape
+        cache.begin_block(T)
+        cache.commit(lengths)
+        hidden = None if hidden_layers is None or self.feats is None else \
+            self.feats[:T].unsqueeze(0).expand(B, -1, -1)  # (B, T, D)
+        self.seconds += time.perf_counter() - t0
+        return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=self.device), hidden=hidden)
+
+    def verify_chain(self, cache, block, pad_to=None, hidden_layers=None, committed_max=None):
+        t0 = time.perf_counter()
+        Q = block.shape[1]
+        self.widths.append(Q)
+        L = cache.lengths.clone()  # (B,)
+        cache.begin_block(Q, committed_max)
+        out = self._rows(L.view(-1, 1) + torch.arange(Q, device=L.device), hidden_layers)  # (B, Q)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def verify_tree(self, cache, block, ancestors, depth, hidden_layers=None, committed_max=None):
+        t0 = time.perf_counter()
+        Q = block.shape[1]
+        self.widths.append(Q)
+        L = cache.lengths.clone()
+        cache.begin_block(Q, committed_max)
+        out = self._rows(L.view(-1, 1) + depth, hidden_layers)  # (B, Q)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+class Capture:
+    """A proposer wrapper that records the target features the loop hands it (ctx.hidden after the
+    prefill and after every step) at their positions: the answer's features for Replay."""
+
+    def __init__(self, proposer, hidden_layers: tuple, length: int, dim: int, dtype, device):
+        self.p, self.feats = proposer, torch.zeros(length, dim, dtype=dtype, device=device)  # (T, D)
+        self.hidden_layers = hidden_layers  # asked for even if the wrapped proposer reads none
+        for name in ("k", "vocab_size", "acceptance_rule"):
+            if hasattr(proposer, name):
+                setattr(self, name, getattr(proposer, name))
+
+    def _store(self, ctx) -> None:
+        if ctx.hidden is None:
+            return
+        n = int(ctx.hidden_len[0])
+        start = int(ctx.lengths[0]) - 1 - n
+        self.feats[start: start + n] = ctx.hidden[0, :n].to(self.feats)
+
+    def begin(self, ctx, sampling, generator) -> None:
+        self._store(ctx)
+        self.p.begin(ctx, sampling, generator)
+
+    def propose(self, ctx, sampling, generator):
+        return self.p.propose(ctx, sampling, generator)
+
+    def update(self, ctx, num_accepted) -> None:
+        self._store(ctx)
+        self.p.update(ctx, num_accepted)
+
+
+class _Timed:
+    """A proposer whose begin() (its per-request setup) is timed."""
+
+    def __init__(self, proposer):
+        self.proposer, self.begin_s = proposer, 0.0
+        begin = proposer.begin
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            begin(*a, **kw)
+            self.begin_s += time.perf_counter() - t0
+        proposer.begin = timed
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+@dataclass
+class Calibration:
+    """What calibrate() measured: one record per (prompt batch, method)."""
+
+    config: PickerConfig
+    methods: List[str]
+    labels: Dict[str, str]
+    records: List[dict] = field(default_factory=list)  # prompt, group, method and the counters
+    verify_ratios: List[float] = field(default_factory=list)  # v(W) for W = 1, 2, ...
+    seconds: float = 0.0  # the calibration's wall time (its runs; the registry's setup excluded)
+    setup_seconds: float = 0.0  # loading weights and measuring costs (shared with any later use)
+    prompts_used: int = 0
+    prompts_given: int = 0
+
+
+def _batches(prompts: List[List[int]], groups: List[str], B: int):
+    for i in range(0, len(prompts), B):
+        yield i // B, groups[i], [list(r) for r in prompts[i:i + B]]
+
+
+def _left_padded(rows: List[List[int]]):
+    """(ids (b, T) left-padded with 0, mask (b, T))."""
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+def _check_prompts(prompts, groups) -> tuple:
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("the picker needs at least one prompt (a list of token-id lists)")
+    out = []
+    for i, p in enumerate(prompts):
+        p = p.view(-1).tolist() if isinstance(p, torch.Tensor) else p
+        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(x, int) and x >= 0 for x in p):
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids >= 0")
+        out.append(list(p))
+    groups = list(groups) if groups is not None else ["all"] * len(out)
+    if len(groups) != len(out):
+        raise ValueError(f"{len(groups)} groups for {len(out)} prompts")
+    return out, groups
+
+
+def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), registry: Optional[Registry] = None,
+              groups: Optional[Sequence[str]] = None) -> Calibration:
+    """Short runs of every candidate method on the prompts (token-id lists), sharing one prefill per
+    prompt; groups: a label per prompt (e.g. its task category) for predict(..., group=)."""
+    prompts, groups = _check_prompts(prompts, groups)
+    t_setup = time.perf_counter()
+    reg = registry if registry is not None else Registry(model)
+    target = reg.target
+    names, labels = [], {}
+    for m in (config.methods or tuple(n for n in METHODS if n != "medusa_typical")):
+        if m == "ar":
+            continue
+        try:
+            labels[m] = reg.label(m)
+            names.append(m)
+        except (ImportError, ValueError, FileNotFoundError) as e:
+            if config.methods is not None:  # asked for by name: say why it cannot run
+                raise ValueError(f"method {m!r} cannot run on this model: {e}") from e
+    v = reg.verify_costs()["ratios"]
+    hidden = {getattr(reg.proposer(m), "hidden_layers", None) for m in names} - {None}
+    shared = _SharedPrefill(target, hidden.pop() if len(hidden) == 1 else None)
+    cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
+                      setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts))
+    gen = dict(max_new_tokens=config.calib_tokens, temperature=config.temperature, top_k=config.top_k,
+               top_p=config.top_p, timing=True)  # eos: the model's generation_config
+    t0 = time.perf_counter()
+    if config.temperature == 0 and config.batch_size == 1:
+        _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0)
+    else:
+        _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, gen)
+    if config.progress:
+        print(file=sys.stderr)
+    cal.seconds = time.perf_counter() - t0
+    return cal
+
+
+def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, gen) -> None:
+    """T > 0 or batch > 1: every method measured for real, in consecutive windows of calib_tokens
+    new tokens of one generation (the order rotated per batch: every method early and late)."""
+    from .generate import autoregressive_generate, speculative_generate
+
+    tgt = shared.wrap()
+    batches = list(_batches(prompts, groups, config.batch_size))
+    limit = len(batches) if config.max_prompts is None else -(-config.max_prompts // config.batch_size)
+    order = ["ar"] + names
+    dev = target.device
+    for j, (i, group, rows) in enumerate(batches[:limit]):
+        elapsed = time.perf_counter() - t0
+        if j and config.budget_s is not None and elapsed * (j + 1) / j > config.budget_s:
+            break  # the next batch would end past the budget
+        if config.progress:
+            print(f"\rcalibrating: batch {j + 1}/{limit}, {len(order)} methods, {elapsed:.0f}s",
+                  end="", file=sys.stderr, flush=True)
+        # the prompt's own prefill, timed once (every window below extends it)
+        P = [len(r) for r in rows]
+        pre_tok = torch.zeros(len(rows), max(P), dtype=torch.long)  # (b, T) right-padded, as generate.py
+        for b, r in enumerate(rows):
+            pre_tok[b, : len(r) - 1] = torch.tensor(r[:-1])
+        shared.state = None
+        tp = time.perf_counter()
+        shared.prefill(target.new_cache(len(rows), max(P) + 1), pre_tok.to(dev),
+                       torch.tensor([n - 1 for n in P], device=dev), logits=False)
+        prefill_s = time.perf_counter() - tp
+        # consecutive windows of one generation, one method each, the order rotated per batch, so
+        # that every method is measured early and late in the answers
+        r0 = j % len(order)
+        for w, m in enumerate(order[r0:] + order[:r0]):
+            ids, mask = _left_padded(rows)
+            offset = len(rows[0]) - P[0]
+            seed = config.seed + 1000 * i + w
+            if m == "ar":
+                out, begin_s = autoregressive_generate(tgt, ids.to(dev), mask.to(dev), seed=seed, **gen), 0.0
+                k = None
+            else:
+                p = _Timed(reg.proposer(m))
+                out = speculative_generate(tgt, p.proposer, ids.to(dev), mask.to(dev), seed=seed, **gen)
+                begin_s, k = p.begin_s, int(getattr(p.proposer, "k", 0))
+            s = out.stats
+            ctx = sum(len(r) for r in rows)
+            cal.records.append(dict(
+                prompt=i, group=group, method=m, offset=offset, tokens=int(out.num_tokens.sum()),
+                steps=s.target_forwards, drafts=s.num_drafts, drafted_pos=list(s.drafted_per_position),
+                acc_pos=list(s.accepted_per_position), draft_s=s.draft_time, verify_s=s.verify_time,
+                begin_s=begin_s, setup_s=begin_s * sum(P) / ctx, replay_s=0.0, run_prefill_s=s.prefill_time,
+                prefill_s=prefill_s, wall_s=s.wall_time, k=k))
+            if bool((out.num_tokens < config.calib_tokens).any()):  # an answer ended: start again
+                rows = [list(r) for r in prompts[i * config.batch_size: i * config.batch_size + len(rows)]]
+            else:
+                for b in range(len(rows)):
+                    rows[b] += out.row(b)
+        cal.prompts_used += len(rows)
+        mine = [r for r in cal.records if r["prompt"] == i]
+        ar = next(r for r in mine if r["method"] == "ar")
+        t_ar, t1 = _step_seconds(ar), ar["verify_s"] / max(ar["steps"], 1)
+        for r in mine:
+            r.update(mode="real", step_s=_step_seconds(r), t_ar_s=t_ar, t1_s=t1)
+
+
+def _verify_ratio(v: List[float], W: int) -> float:
+    """v(W) from the measured curve (W = 1..len(v)), extended linearly past its end."""
+    if W <= len(v):
+        return v[W - 1]
+    slope = (v[-1] - v[1]) / max(len(v) - 2, 1) if len(v) > 2 else 0.0
+    return v[-1] + slope * (W - len(v))
+
+
+def _clock(tgt, log: list) -> None:
+    """Time every verify forward of `tgt` (a wrapped copy): (block width, seconds) into `log`."""
+    from .costs import device_sync
+
+    for name in ("verify_chain", "verify_tree"):
+        fn = getattr(tgt, name)
+
+        def timed(cache, block, *a, _fn=fn, **kw):
+            device_sync(tgt.device)
+            t0 = time.perf_counter()
+            out = _fn(cache, block, *a, **kw)
+            device_sync(tgt.device)
+            log.append((int(block.shape[1]), time.perf_counter() - t0))
+            return out
+        setattr(tgt, name, timed)
+
+
+def fit_verify_curve(points: Dict[int, List[tuple]], prior: List[float], rounds: int = 5) -> tuple:
+    """Robust fit of seconds = t1_p v(W) to the real verify forwards of every prompt p (points:
+    {p: [(W, seconds), ...]}), v(1) = 1: alternating medians, started from the synthetic curve
+    `prior`. Widths never seen keep the prior's shape, scaled to the fitted widths. Returns
+    ({p: t1_p}, v as a function of W)."""
+    import statistics
+
+    v: Dict[int, float] = {}
+    ratio = lambda W: v.get(W, _verify_ratio(prior, W) * scale)  # noqa: E731
+    scale = 1.0
+    t1 = {}
+    for _ in range(rounds):
+        t1 = {p: statistics.median(s / ratio(W) for W, s in pts) for p, pts in points.items() if pts}
+        byw: Dict[int, List[float]] = {}
+        for p, pts in points.items():
+            for W, s in pts:
+                byw.setdefault(W, []).append(s / t1[p])
+        v = {W: statistics.median(xs) for W, xs in byw.items() if len(xs) >= 5}
+        one = v.get(1, 1.0)
+        v = {W: x / one for W, x in v.items()}
+        t1 = {p: t * one for p, t in t1.items()}
+        seen = [W for W in v if W > 1]
+        scale = statistics.median(v[W] / _verify_ratio(prior, W) for W in seen) if seen else 1.0
+    return t1, ratio
+
+
+def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) -> None:
+    """Greedy, batch 1: per prompt ONE real generation of replay_tokens new tokens by a fast lossless
+    method (its features captured), a few real autoregressive steps, then every method replayed on
+    that answer (Replay): its acceptance over the whole answer at the cost of its proposer alone.
+    Every real verify forward is timed: fit_verify_curve turns them into the target's one-token
+    forward t1 at each prompt's context and the verify-cost curve v(W) of the real loop, which
+    price the replayed steps. Lookahead reads the target's logits on its own window, so it runs
+    for real on calib_tokens // 3 tokens."""
+    from .generate import autoregressive_generate, speculative_generate
+
+    tgt = shared.wrap()
+    lead = "hybrid" if "hybrid" in names else "ngram"
+    dev, D = target.device, int(target.model.config.hidden_size)
+    limit = len(prompts) if config.max_prompts is None else min(config.max_prompts, len(prompts))
+    points: Dict[int, List[tuple]] = {}
+    for j in range(limit):
+        elapsed = time.perf_counter() - t0
+        if j and config.budget_s is not None and elapsed * (j + 1) / j > config.budget_s:
+            break
+        if config.progress:
+            print(f"\rcalibrating: prompt {j + 1}/{limit}, {len(names) + 1} methods, {elapsed:.0f}s",
+                  end="", file=sys.stderr, flush=True)
+        prompt, group = prompts[j], groups[j]
+        ids = torch.tensor([prompt], device=dev)  # (1, P)
+        shared.state = None
+        points[j] = log = []
+        timed = shared.wrap()
+        _clock(timed, log)
+        lp = reg.proposer(lead)
+        cap = Capture(lp, shared.hidden_layers, len(prompt) + config.replay_tokens + 2, D, target.dtype, dev) \
+            if shared.hidden_layers is not None else None
+        out = speculative_generate(timed, cap or lp, ids, max_new_tokens=config.replay_tokens, temperature=0.0,
+                                   timing=True, seed=config.seed)
+        y = out.row(0)
+        prefill_s = out.stats.prefill_time
+        z = torch.tensor(prompt + y, device=dev)  # (P + n,)
+        feats = cap.feats[: z.shape[0] - 1] if cap is not None else None
+        autoregressive_generate(timed, ids, max_new_tokens=2, temperature=0.0, timing=True, seed=config.seed)
+        for m in ["ar"] + names:
+            p = _Timed(reg.proposer(m)) if m != "ar" else None
+            if m == "lookahead":
+                o = speculative_generate(tgt, p.proposer, ids, max_new_tokens=max(config.calib_tokens // 3, 4),
+                                         temperature=0.0, timing=True, seed=config.seed)
+                s = o.stats
+                rec = dict(mode="real", widths=[], run_prefill_s=s.prefill_time,
+                           step_s=max(s.wall_time - s.prefill_time - p.begin_s, 1e-9) / max(s.target_forwards, 1))
+            else:
+                rp = Replay(target, z, feats)
+                o = (autoregressive_generate(rp, ids, max_new_tokens=len(y), temperature=0.0, timing=True)
+                     if p is None else speculative_generate(rp, p.proposer, ids, max_new_tokens=len(y),
+                                                            temperature=0.0, timing=True))
+                s = o.stats
+                if o.row(0) != y:
+                    raise RuntimeError(f"replay of {m} left the trajectory (a bug in the picker's replay)")
+                begin = p.begin_s if p is not None else 0.0
+                rec = dict(mode="replay", widths=list(rp.widths), run_prefill_s=0.0,
+                           loop_s=max(s.wall_time - rp.seconds - begin, 0.0) / max(s.target_forwards, 1))
+            cal.records.append(dict(
+                rec, prompt=j, group=group, method=m, offset=0, tokens=int(o.num_tokens.sum()),
+                steps=s.target_forwards, drafts=s.num_drafts, drafted_pos=list(s.drafted_per_position),
+                acc_pos=list(s.accepted_per_position), draft_s=s.draft_time, verify_s=s.verify_time,
+                begin_s=p.begin_s if p is not None else 0.0, setup_s=p.begin_s if p is not None else 0.0,
+                prefill_s=prefill_s, wall_s=s.wall_time, k=None if p is None else int(getattr(p.proposer, "k", 0))))
+        cal.prompts_used += 1
+    # price the replayed steps with the real loop's verify forwards
+    t1, ratio = fit_verify_curve(points, cal.verify_ratios)
+    cal.verify_ratios = [ratio(W) for W in range(1, max(len(cal.verify_ratios), 12) + 1)]
+    for r in cal.records:
+        r["t1_s"] = t1[r["prompt"]]
+        if r["mode"] == "replay":
+            r["step_s"] = r["loop_s"] + t1[r["prompt"]] * sum(ratio(W) for W in r["widths"]) / max(len(r["widths"]), 1)
+    for r in cal.records:
+        ar = next(a for a in cal.records if a["prompt"] == r["prompt"] and a["method"] == "ar")
+        r["t_ar_s"] = ar["step_s"]
+
+
+def _step_seconds(r: dict) -> float:
+    """Seconds of one step: the run's wall time less its (shared) prefill and the proposer's setup."""
+    return max(r["wall_s"] - r["run_prefill_s"] - r["begin_s"], 1e-9) / max(r["steps"], 1)

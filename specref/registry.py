@@ -1,0 +1,245 @@
+"""Every method of the library by name: one place that turns "eagle" into a ready proposer.
+
+The bench (bench/methods.py), the picker (picker.py) and `python -m specref generate --method NAME`
+all build their proposers here, so that a method means the same configuration everywhere: the
+adaptive rules get this machine's measured costs (costs.measure_verify_cost, the heads' measured
+cost), k comes from the closed form (theory.optimal_k) on the trained proposer's held-out alpha, and
+the learned proposers load their committed weights (the default model), untrained ones (kind
+"tiny", test models: the code path only) or the files a user names (`weights={"eagle": path}`).
+Weights and measured costs are loaded and timed once per Registry.
+
+    reg = Registry(model)              # the default model: every method
+    proposer = reg.proposer("hybrid")  # None for "ar" (plain autoregressive decoding)
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .target import Target
+
+# name -> what it runs (the order is the bench's and the picker's)
+METHODS: Dict[str, str] = {
+    "ar": "no speculation: autoregressive_generate",
+    "ngram": "prompt lookup (n-gram, adaptive k <= 10)",
+    "lookahead": "lookahead decoding (W, N, G)",
+    "draft": "the trained reduced-vocabulary draft model (k by the closed form)",
+    "eagle": "EAGLE-1 head, chain (adaptive k)",
+    "hybrid": "prompt lookup where it matches, else the EAGLE-1 head",
+    "hybrid_tree": "prompt lookup and the EAGLE-1 head as two branches of one tree",
+    "hybrid_draft": "prompt lookup where it matches, else the trained draft",
+    "medusa": "Medusa heads over their shipped tree, lossless acceptance",
+    "medusa_typical": "Medusa heads with typical acceptance (LOSSY at T > 0)",
+    "hybrid_medusa": "prompt lookup where it matches, else the Medusa heads' tree",
+    "mtp": "multi-token prediction modules, chain",
+}
+LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
+           "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp"}
+
+
+def check_method(name: str) -> str:
+    """name, or ValueError listing the valid ones."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    return name
+
+
+class Registry:
+    """Builds each method's proposer for one target; weights loaded and costs measured once.
+
+    kind: "default" (the embedded default model: the committed weights), "tiny" (test models:
+    untrained heads, the code path only) or "custom" (learned methods need `weights[proposer]`, a
+    file that `python -m specref train` wrote for this model). draft_k: the trained draft's k and
+    the EAGLE head's upper bound (None: the closed form). lookahead: (W, N, G). cost_reps: timed
+    repetitions per width of the cost measurements (fewer: faster, noisier)."""
+
+    def __init__(self, model: torch.nn.Module, target: Optional[Target] = None, kind: str = "default",
+                 draft_k: Optional[int] = None, lookahead: Tuple[int, int, int] = (7, 5, 7),
+                 weights: Optional[Dict[str, str]] = None, cost_reps: int = 9):
+        if kind not in ("default", "tiny", "custom"):
+            raise ValueError(f"kind must be 'default', 'tiny' or 'custom', got {kind!r}")
+        self.model, self.kind, self.draft_k, self.lookahead = model, kind, draft_k, tuple(lookahead)
+        self.target = target if target is not None else Target(model)
+        self.weights = dict(weights or {})
+        bad = [k for k in self.weights if k not in ("draft", "eagle", "medusa", "mtp")]
+        if bad:
+            raise ValueError(f"weights keys must be draft, eagle, medusa or mtp, got {bad}")
+        self.V = int(model.get_output_embeddings().weight.shape[0])
+        if isinstance(cost_reps, bool) or not isinstance(cost_reps, int) or cost_reps < 1:
+            raise ValueError(f"cost_reps must be an int >= 1, got {cost_reps!r}")
+        self.cost_reps = cost_reps
+        self._memo: dict = {}
+
+    # ------------------------------------------------------------------ shared parts, built once
+
+    def _once(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def _path(self, what: str, committed):
+        if self.kind == "default":
+            return self.weights.get(what, committed)
+        if what not in self.weights:
+            raise ValueError(f"no trained {what} for this model: pass weights={{'{what}': path}} (a file of "
+                             f"`python -m specref train --method {what}`); the committed ones belong to the "
+                             "default model")
+        return self.weights[what]
+
+    def verify_costs(self) -> dict:
+        """costs.measure_verify_cost of this target for W = 1..11 (ratios v(W), fitted c and c0)."""
+        from .costs import measure_verify_cost
+
+        return self._once("verify", lambda: measure_verify_cost(self.target, 10, reps=self.cost_reps))
+
+    def ngram_config(self):
+        """The adaptive n-gram settings with this machine's verify costs (c, c0 of v(W), W <= 11)."""
+        from .ngram import NgramConfig
+
+        def make():
+            vc = self.verify_costs()  # the draft length rule needs this machine's costs
+            return NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4), verify_cost_fixed=round(vc["c0"], 4))
+        return self._once("ngram", make)
+
+    def trained_draft(self):
+        """(draft, token_map, k)."""
+        def make():
+            from .draft_model import WEIGHTS, build_draft, load_trained_draft, trained_draft_info
+
+            if self.kind == "tiny":  # an untrained reduced-vocabulary draft: exercises the code path only
+                tm = torch.arange(0, self.V, 2)
+                return build_draft(self.model, 1, tm), tm.to(self.model.device), self.draft_k or 2
+            path = self._path("draft", WEIGHTS)
+            draft, token_map = load_trained_draft(self.model, path)
+            alpha = trained_draft_info(path).get("record", {}).get("heldout", {}).get("heldout_top1")
+            return draft, token_map, self.draft_k or self._draft_k(draft, alpha)
+        return self._once("draft", make)
+
+    def _draft_k(self, draft, alpha) -> int:
+        """k from the closed form (theory.optimal_k) with the draft's held-out alpha and measured c."""
+        from .costs import measure_cost
+        from .theory import optimal_k
+
+        if alpha is None:
+            return 4
+        return optimal_k(float(alpha), measure_cost(self.target, draft)["c"], k_max=10)
+
+    def eagle(self):
+        """(head, EagleConfig): k by the closed form from the held-out alpha and the measured head
+        cost; per row and step k' <= k by the same closed form on the row's measured acceptance,
+        with this machine's costs (a head step plus one more verified token, c0)."""
+        def make():
+            from .costs import fit_verify_cost
+            from .eagle_head import WEIGHTS, EagleConfig, EagleHead, eagle_info, load_eagle, measure_head_cost
+            from .theory import optimal_k
+
+            if self.kind == "tiny":  # an untrained head: exercises the code path only
+                head, alpha = EagleHead(self.model, torch.arange(0, self.V, 2)), None
+            else:
+                path = self._path("eagle", WEIGHTS)
+                head = load_eagle(self.model, path)
+                alpha = eagle_info(path)["record"].get("heldout", {}).get("heldout_top1")
+            c_head = measure_head_cost(self.target, head, reps=max(15 * self.cost_reps // 9, 5))["c"]
+            ek = self.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
+            vc = fit_verify_cost(self.verify_costs()["ratios"], ek)  # the shared v(W), W <= ek + 1
+            return head, EagleConfig(k=ek, adaptive=True, draft_cost=round(c_head + vc["c"], 4),
+                                     verify_cost_fixed=round(vc["c0"], 4))
+        return self._once("eagle", make)
+
+    def medusa_heads(self):
+        def make():
+            from .medusa_heads import WEIGHTS, MedusaHeads, load_medusa
+
+            if self.kind == "tiny":  # untrained heads: exercises the code path only
+                return MedusaHeads(self.model, 3, torch.arange(0, self.V, 2))
+            return load_medusa(self.model, self._path("medusa", WEIGHTS))
+        return self._once("medusa", make)
+
+    def mtp_stack(self):
+        """(modules, k = max(D, 3) unless draft_k)."""
+        def make():
+            from .mtp import WEIGHTS, MTPStack, load_mtp
+
+            if self.kind == "tiny":  # an untrained module: exercises the code path only
+                stack = MTPStack(self.model, torch.arange(0, self.V, 2))
+            else:
+                stack = load_mtp(self.model, self._path("mtp", WEIGHTS))
+            return stack, self.draft_k or max(stack.num_modules, 3)
+        return self._once("mtp", make)
+
+    # ------------------------------------------------------------------ the methods
+
+    def proposer(self, name: str):
+        """A fresh proposer for method `name` (None for "ar"); ValueError for an unknown name or
+        a learned method without weights for this model."""
+        from .hybrid import HybridConfig, HybridProposer
+        from .ngram import NgramProposer
+
+        check_method(name)
+        if name == "ar":
+            return None
+        if name == "ngram":
+            return NgramProposer(self.ngram_config())
+        if name == "lookahead":
+            from .lookahead import LookaheadConfig, LookaheadProposer
+
+            W, N, G = self.lookahead
+            return LookaheadProposer(LookaheadConfig(W=W, N=N, G=G))
+        if name in ("draft", "hybrid_draft"):
+            from .draft_model import DraftModelConfig, DraftModelProposer
+
+            draft, token_map, k = self.trained_draft()
+            p = DraftModelProposer(draft, DraftModelConfig(k=k), token_map=token_map, vocab_size=self.V)
+            return p if name == "draft" else HybridProposer(NgramProposer(self.ngram_config()), p)
+        if name in ("eagle", "hybrid", "hybrid_tree"):
+            from .eagle_head import EagleProposer
+
+            head, ec = self.eagle()
+            if name == "eagle":
+                return EagleProposer(head, ec)
+            mode = HybridConfig(mode="tree" if name == "hybrid_tree" else "select")
+            return HybridProposer(NgramProposer(self.ngram_config()), EagleProposer(head, ec), mode)
+        if name in ("medusa", "medusa_typical", "hybrid_medusa"):
+            from .medusa_heads import MedusaConfig, MedusaProposer
+
+            mc = MedusaConfig(acceptance="typical" if name == "medusa_typical" else "lossless")
+            p = MedusaProposer(self.medusa_heads(), mc)
+            return p if name != "hybrid_medusa" else HybridProposer(NgramProposer(self.ngram_config()), p)
+        from .mtp import MTPConfig, MTPProposer  # "mtp"
+
+        stack, k = self.mtp_stack()
+        return MTPProposer(stack, MTPConfig(k=k))
+
+    def label(self, name: str) -> str:
+        """A one-line description of the method with its settings (builds what it names)."""
+        check_method(name)
+        if name == "ar":
+            return "specref autoregressive (baseline)"
+        costs = lambda c: f"c {c.draft_cost:.3f}, c0 {c.verify_cost_fixed:.3f}"  # noqa: E731
+        if name == "ngram":
+            ng = self.ngram_config()
+            return f"specref n-gram (adaptive, k<={ng.k}; {costs(ng)})"
+        if name == "lookahead":
+            W, N, G = self.lookahead
+            return f"specref lookahead (W {W}, N {N}, G {G})"
+        if name in ("draft", "hybrid_draft"):
+            k = self.trained_draft()[2]
+            return (f"specref trained draft (k={k})" if name == "draft"
+                    else f"specref n-gram, else trained draft (k={k}; {costs(self.ngram_config())})")
+        if name in ("eagle", "hybrid", "hybrid_tree"):
+            ec = self.eagle()[1]
+            if name == "eagle":
+                return f"specref EAGLE-1 head (adaptive, k<={ec.k}; {costs(ec)})"
+            how = " and EAGLE-1 head as a 2-branch tree" if name == "hybrid_tree" else ", else EAGLE-1 head"
+            return (f"specref n-gram{how} (adaptive, k<={ec.k}; {costs(self.ngram_config())} / "
+                    f"{costs(ec)})")
+        if name in ("medusa", "medusa_typical", "hybrid_medusa"):
+            heads = self.medusa_heads()
+            n = self.proposer("medusa").k
+            if name == "hybrid_medusa":
+                return f"specref n-gram, else Medusa heads ({n}-node tree; {costs(self.ngram_config())})"
+            rule = "typical acceptance, LOSSY at T > 0" if name == "medusa_typical" else "lossless"
+            return f"specref Medusa heads ({heads.num_heads} heads, {n}-node tree; {rule})"
+        stack, k = self.mtp_stack()
+        return f"specref MTP modules (D={stack.num_modules}, k={k}; module D reused after)"

@@ -1,0 +1,48 @@
+"""`python -m specref bench --pick` (bench/picker_check.py): the picker's predictions beside the bench's
+measurements in one run, on a tiny random model (no timing is asserted: only that every number is
+produced and consistent); Spearman against scipy's definition on known ranks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specref.bench.picker_check import GROUPS, spearman
+from specref.bench.runner import bench_main
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a short poem about the sea."]},
+    {"question_id": 2, "category": "rag", "turns": ["Answer from the text: the cat sat on the mat. Where is the cat?"]},
+    {"question_id": 3, "category": "translation", "turns": ["Translate: the cat sat on the mat."]},
+]
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        spearman([1], [1])
+    assert sum(len(c) for c in GROUPS.values()) == 13  # Spec-Bench's 13 categories, once each
+
+
+def test_bench_pick_end_to_end(tmp_path):
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS), encoding="utf-8")
+    out = tmp_path / "out"
+    rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--methods", "ar", "ngram", "eagle",
+                     "hybrid", "--max-new-tokens", "16", "--pick", "--pick-tokens", "12", "--out", str(out),
+                     "--markdown", "none", "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "picker.json").read_text())
+    cmp = res["compare"]
+    assert cmp["categories"] == 3 and 0 <= cmp["picks_within"] <= 3
+    assert set(cmp["groups"]) == {"multi-turn conversation", "rag", "translation"}
+    assert all(-1.0 <= g["spearman"] <= 1.0 for g in cmp["groups"].values())
+    assert set(cmp["overall"]["predicted"]) == {"ar", "ngram", "eagle", "hybrid"}
+    assert cmp["median_abs_error"] >= 0 and res["calibration_s"] > 0
+    for c, r in cmp["per_category"].items():
+        assert r["pick"] in r["measured"] and r["best"] == max(r["measured"], key=r["measured"].get)
+    md = (out / "picker.md").read_text()
+    assert "Spearman" in md and "Median |predicted / measured - 1|" in md
+    assert (out / "picker.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
