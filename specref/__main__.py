@@ -3,7 +3,7 @@
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
            sampled, with the speed-up over autoregressive_generate measured in the same run.
            --compare: then every method of --compare-methods on two prompts, with the picker's
-           predicted speed-up beside the measured one (when specref.picker is there).
+           predicted speed-up beside the measured one.
 generate - one prompt through any local model folder or GGUF file, with any method of registry.py
            (`--method NAME`, or `auto`: the picker's choice for this prompt).
 pick     - the strategy picker on your prompts: which method, which k, or none (picker.py).
@@ -113,29 +113,16 @@ def demo(args) -> int:
     return 0
 
 
-def _picker():
-    """specref.picker, or None while it does not exist yet."""
-    import importlib
-
-    try:
-        return importlib.import_module("specref.picker")
-    except ModuleNotFoundError as e:
-        if e.name != "specref.picker":
-            raise
-        return None
-
-
 def compare(reg, ids_list, methods, eos=None, max_new_tokens: int = 48, budget_s: float = 20.0) -> dict:
     """Greedy runs of `methods` on one prompt (a list of ids), one line each: tok/s, speed-up over
     "ar" measured in the same run (tokens/s ratio), tokens per forward, and the picker's predicted
-    speed-up where specref.picker has `recommend`. Returns {method: measured speed-up}."""
+    speed-up (picker.recommend on the same prompt). Returns {method: measured speed-up}."""
+    from . import picker
+
     ids = torch.tensor([ids_list])  # (1, T)
-    pred, pick = {}, None
-    picker = _picker()
-    if hasattr(picker, "recommend"):
-        rec = picker.recommend(reg.model, [ids_list], methods=list(methods), temperature=0.0,
-                               max_new_tokens=max_new_tokens, budget_s=budget_s, registry=reg)
-        pred, pick = dict(rec.predictions), rec.method
+    rec = picker.recommend(reg.model, [ids_list], methods=list(methods), temperature=0.0,
+                           max_new_tokens=max_new_tokens, budget_s=budget_s, registry=reg)
+    pred, pick = dict(rec.predictions), rec.method
     gen = dict(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_id=eos, seed=0)
     outs = {}
     for name in ["ar"] + [m for m in methods if m != "ar"]:  # the baseline first
@@ -150,8 +137,7 @@ def compare(reg, ids_list, methods, eos=None, max_new_tokens: int = 48, budget_s
         same = "" if out.row(0) == outs["ar"].row(0) else "  (output differs from ar)"
         print(f"  {name:<15} {s.tokens_per_second:8.1f} tok/s  speed-up {speedups[name]:.2f}x  "
               f"tokens/forward {s.tokens_per_forward:.2f}{p}{same}")
-    if pick is not None:
-        print(f"  picker's pick: {pick}")
+    print(f"  picker's pick: {pick}")
     return speedups
 
 
@@ -209,9 +195,8 @@ def generate_cmd(args) -> int:
         reg = Registry(model, kind=kind, draft_k=args.k, weights=dict(args.weights or []))
         method = args.method or "ngram"
         if method == "auto":
-            picker = _picker()  # lazily: the picker may not be there yet
-            if not hasattr(picker, "recommend"):
-                raise ValueError("--method auto needs specref.picker.recommend, which this install lacks")
+            from . import picker
+
             rec = picker.recommend(model, [ids_list], methods=None, temperature=args.temperature,
                                    max_new_tokens=args.max_new_tokens, budget_s=args.budget_s, registry=reg)
             print(f"picked: {rec.method} ({rec.reason})")
