@@ -26,6 +26,7 @@ Per (prompt, method) record: steps, drafts, drafted / accepted per position, the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,22 @@ class PickerConfig:
 # ----------------------------------------------------------------------------- one shared prefill
 
 
+def layer_union(sets) -> Optional[tuple]:
+    """The target layers of several proposers' `hidden_layers`, in first-seen order (None: none)."""
+    out: list = []
+    for layers in sets:
+        out += [x for x in (layers or ()) if x not in out]
+    return tuple(out) or None
+
+
+def select_layers(hidden: Optional[torch.Tensor], have: Optional[tuple], want: Optional[tuple]):
+    """The columns of features (..., len(have) * D) that hold layers `want` (..., len(want) * D)."""
+    if hidden is None or want is None or have is None or tuple(want) == tuple(have):
+        return None if want is None else hidden
+    D = hidden.shape[-1] // len(have)
+    return torch.cat([hidden[..., have.index(x) * D: (have.index(x) + 1) * D] for x in want], dim=-1)
+
+
 class _SharedPrefill:
     """A Target whose prefill continues from the last prefilled context when the new one extends
     it row by row: the saved cache is copied and only the new tokens run through the model. The
@@ -108,7 +125,8 @@ class _SharedPrefill:
 
     def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
         want = self.hidden_layers
-        if logits or tokens.shape[1] == 0 or (hidden_layers is not None and hidden_layers != want):
+        if logits or tokens.shape[1] == 0 or (hidden_layers is not None and (
+                want is None or any(x not in want for x in hidden_layers))):
             return self.target.prefill(cache, tokens, lengths, logits=logits, hidden_layers=hidden_layers)
         tok, lens = tokens.cpu(), lengths.cpu()  # (B, T), (B,)
         B, dev = tok.shape[0], tokens.device
@@ -142,7 +160,7 @@ class _SharedPrefill:
                           kv=[(layer.keys[:, :, :L].clone(), layer.values[:, :, :L].clone())
                               if layer.is_initialized else None for layer in cache.layers])
         V = self.target.vocab_size
-        return BlockOutput(logits=torch.zeros(B, 0, V, device=dev), hidden=H if hidden_layers is not None else None)
+        return BlockOutput(logits=torch.zeros(B, 0, V, device=dev), hidden=select_layers(H, want, hidden_layers))
 
 
 class Replay(Target):
@@ -155,8 +173,10 @@ class Replay(Target):
     which ends the step before its token matters. Not for lookahead (it reads the target's logits
     on its own window) or T > 0."""
 
-    def __init__(self, target: Target, z: torch.Tensor, feats: Optional[torch.Tensor]):
-        self.base, self.z, self.feats = target, z, feats  # (T,), (T - 1, D) or None
+    def __init__(self, target: Target, z: torch.Tensor, feats: Optional[torch.Tensor],
+                 layers: Optional[tuple] = None):
+        self.base, self.z, self.feats = target, z, feats  # (T,), (T - 1, len(layers) * D) or None
+        self.layers = layers  # the target layers feats holds (each proposer gets its own)
         for name in ("model", "config", "vocab_size", "device", "dtype", "max_positions", "packed"):
             setattr(self, name, getattr(target, name))
         self.num_layers = 0  # the cache only counts committed tokens
@@ -173,7 +193,8 @@ class Replay(Target):
         logits.scatter_(2, nxt.unsqueeze(-1), 30.0)
         hidden = None
         if hidden_layers is not None and self.feats is not None:
-            hidden = self.feats[positions.clamp(max=self.feats.shape[0] - 1)]  # (B, Q, D)
+            hidden = select_layers(self.feats[positions.clamp(max=self.feats.shape[0] - 1)], self.layers,
+                                   hidden_layers)  # (B, Q, D_h)
         return BlockOutput(logits=logits, hidden=hidden)
 
     def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
@@ -182,7 +203,7 @@ class Replay(Target):
         cache.begin_block(T)
         cache.commit(lengths)
         hidden = None if hidden_layers is None or self.feats is None else \
-            self.feats[:T].unsqueeze(0).expand(B, -1, -1)  # (B, T, D)
+            select_layers(self.feats[:T], self.layers, hidden_layers).unsqueeze(0).expand(B, -1, -1)  # (B, T, D_h)
         self.seconds += time.perf_counter() - t0
         return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=self.device), hidden=hidden)
 
@@ -212,8 +233,10 @@ class Capture:
     prefill and after every step) at their positions: the answer's features for Replay."""
 
     def __init__(self, proposer, hidden_layers: tuple, length: int, dim: int, dtype, device):
-        self.p, self.feats = proposer, torch.zeros(length, dim, dtype=dtype, device=device)  # (T, D)
-        self.hidden_layers = hidden_layers  # asked for even if the wrapped proposer reads none
+        self.p, self.feats = proposer, torch.zeros(length, dim * len(hidden_layers), dtype=dtype,
+                                                   device=device)  # (T, len(layers) * D)
+        self.hidden_layers = hidden_layers  # asked for even if the wrapped proposer reads none (or fewer)
+        self.own = getattr(proposer, "hidden_layers", None)  # what the wrapped proposer is handed
         for name in ("k", "vocab_size", "acceptance_rule"):
             if hasattr(proposer, name):
                 setattr(self, name, getattr(proposer, name))
@@ -225,16 +248,19 @@ class Capture:
         start = int(ctx.lengths[0]) - 1 - n
         self.feats[start: start + n] = ctx.hidden[0, :n].to(self.feats)
 
+    def _own(self, ctx):
+        return dataclasses.replace(ctx, hidden=select_layers(ctx.hidden, self.hidden_layers, self.own))
+
     def begin(self, ctx, sampling, generator) -> None:
         self._store(ctx)
-        self.p.begin(ctx, sampling, generator)
+        self.p.begin(self._own(ctx), sampling, generator)
 
     def propose(self, ctx, sampling, generator):
         return self.p.propose(ctx, sampling, generator)
 
     def update(self, ctx, num_accepted) -> None:
         self._store(ctx)
-        self.p.update(ctx, num_accepted)
+        self.p.update(self._own(ctx), num_accepted)
 
 
 class _Timed:
@@ -319,8 +345,7 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
             if config.methods is not None:  # asked for by name: say why it cannot run
                 raise ValueError(f"method {m!r} cannot run on this model: {e}") from e
     v = reg.verify_costs()["ratios"]
-    hidden = {getattr(reg.proposer(m), "hidden_layers", None) for m in names} - {None}
-    shared = _SharedPrefill(target, hidden.pop() if len(hidden) == 1 else None)
+    shared = _SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
     cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
                       setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts))
     gen = dict(max_new_tokens=config.calib_tokens, temperature=config.temperature, top_k=config.top_k,
@@ -496,7 +521,7 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
                 rec = dict(mode="real", widths=[], run_prefill_s=s.prefill_time,
                            step_s=max(s.wall_time - s.prefill_time - p.begin_s, 1e-9) / max(s.target_forwards, 1))
             else:
-                rp = Replay(target, z, feats)
+                rp = Replay(target, z, feats, shared.hidden_layers)
                 o = (autoregressive_generate(rp, ids, max_new_tokens=len(y), temperature=0.0, timing=True)
                      if p is None else speculative_generate(rp, p.proposer, ids, max_new_tokens=len(y),
                                                             temperature=0.0, timing=True))

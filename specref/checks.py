@@ -157,6 +157,29 @@ def trusted(proposer) -> bool:
     return all(trusted(p) for p in getattr(proposer, "parts", ()))
 
 
+SIBLINGS = ("sampled", "deterministic")
+
+
+def check_siblings(draft, who: str) -> None:
+    """The pairing of a tree draft's sibling kind with its q (host-side, no device read; run for
+    every draft, the library's own included): q given needs siblings="sampled", "deterministic"
+    needs q None. Chains (no parents) have no siblings."""
+    s = getattr(draft, "siblings", None)
+    if s is not None and s not in SIBLINGS:
+        raise ValueError(f"{who}: Draft.siblings must be one of {SIBLINGS} or None, got {s!r}")
+    if draft.parents is None or draft.q is None:
+        if s == "sampled" and draft.parents is not None:
+            raise ValueError(f"{who}: Draft.siblings='sampled' but q is None: sampled siblings need the q "
+                             "they were drawn from (q=None means deterministic siblings)")
+        return
+    if s != "sampled":
+        raise ValueError(
+            f"{who}: a tree draft with q must declare siblings='sampled' (each node an independent draw "
+            f"from its q row), got siblings={s!r}. Deterministic siblings (the top-k of a head, EAGLE-2, "
+            "Medusa) are verified with q=None: the recursive rule for sampled siblings is not lossless "
+            "for them")
+
+
 def check_draft(draft, who: str, batch: int, vocab: int, k: int) -> None:
     """A user proposer's Draft, checked before the target sees it (one host sync per check)."""
     if not isinstance(draft, Draft):

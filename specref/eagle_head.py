@@ -23,7 +23,8 @@ predicted features and drafted tokens; after verification those speculative slot
 target's features next step. With `EagleConfig(adaptive=True)` (our addition) each row drafts the
 k' <= k that maximises the closed-form speed-up for its own measured acceptance, the rule of
 ngram.py's adaptive mode (at least one draft, so acceptance keeps being measured).
-Left out: EAGLE-2's dynamic draft tree, EAGLE-3's multi-layer features and training-time test.
+EAGLE-2's dynamic draft tree is eagle_tree.py (the same head); EAGLE-3's fused multi-layer features
+and own LM head are eagle3.py (a subclass of this head, drafted by the same proposers).
 """
 from __future__ import annotations
 
@@ -107,6 +108,18 @@ class EagleHead(torch.nn.Module):
                        position_embeddings=pe)  # (B, Q, D)
         return self.norm(h)  # (B, Q, D)
 
+    hidden_layers = (-1,)  # the target's states the head reads: its final normed state
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target's features the head reads (ctx.hidden): D."""
+        return self.hidden_size
+
+    def embed_features(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's features (..., feature_size) -> the head's input feature (..., D): EAGLE-1
+        reads f_t itself (EAGLE-3 fuses several layers here, eagle3.py)."""
+        return h
+
     def logits(self, f_hat: torch.Tensor) -> torch.Tensor:
         return self.lm_head(f_hat)  # (..., Vd)
 
@@ -142,43 +155,50 @@ class EagleProposer:
     """Proposer protocol: chain drafts from an EagleHead. generate.py hands it the target's features
     (`hidden_layers` below) in ctx.hidden after the prefill and after every verification."""
 
-    hidden_layers = (-1,)  # the target's final normed state, what its LM head reads
+    hidden_layers = (-1,)  # the target's final normed state, what its LM head reads (an EAGLE-3
+    # head reads its low, middle and high layers: the instance takes the head's)
 
     def __init__(self, head: EagleHead, config: EagleConfig = EagleConfig()):
         if not isinstance(head, EagleHead):
             raise ValueError(f"head must be an EagleHead, got {type(head).__name__}")
         self.head, self.config, self.k = head.eval(), config, config.k
+        self.hidden_layers = tuple(head.hidden_layers)
         self.vocab_size = head.vocab_size
         self.cache: Optional[SpecCache] = None
         dev = head.fc.weight.device
         # CPU fp32: the head's linears pre-packed for oneDNN, as the target's (backends/cpu_linear.py)
         self.packed = PackedLinears.of(head) if dev.type == "cpu" and packing_available() else None
 
+    @torch.no_grad()
     def _store(self, ctx: Context) -> None:
         """Copy the features ctx.hidden (rows valid: ctx.hidden_len) to their positions in self.feat."""
         if ctx.hidden is None or ctx.hidden_len is None:
             raise ValueError("EagleProposer needs the target's features: run it through speculative_generate, "
                              "which passes them when the proposer sets `hidden_layers`")
         B, W, D = ctx.hidden.shape
-        if D != self.head.hidden_size:
-            raise ValueError(f"features have width {D}, the head expects {self.head.hidden_size}")
+        if D != self.head.feature_size:
+            raise ValueError(f"features have width {D}, the head expects {self.head.feature_size}")
         j = torch.arange(W, device=ctx.hidden.device).view(1, W)  # (1, W)
         start = (ctx.lengths - 1 - ctx.hidden_len).view(B, 1)  # (B, 1) position of hidden[:, 0]
         ok = j < ctx.hidden_len.view(B, 1)  # (B, W)
         rows = torch.arange(B, device=ctx.hidden.device).view(B, 1).expand(B, W)  # (B, W)
-        self.feat[rows[ok], (start + j)[ok]] = ctx.hidden[ok].to(self.feat)
+        self.feat[rows[ok], (start + j)[ok]] = self.head.embed_features(ctx.hidden[ok].to(self.feat))  # (M, D)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
         dev = ctx.tokens.device
         # 2T slots: a row outside ctx.active for some steps catches up later in one block, written
         # at every row's next slots; only that block's padding columns get positions past the context
-        self.cache = SpecCache(1, B, 2 * T + self.k + 2, dev)
+        self.cache = SpecCache(1, B, 2 * T + self._spec_slots() + 2, dev)
         self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
         self._store(ctx)
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
         self.acceptance = DecayedAcceptance(B, self.config.prior_accept, self.config.memory)  # per row
         self.drafted = np.zeros(B, dtype=np.int64)  # (B,) draft length of the last step
+
+    def _spec_slots(self) -> int:
+        """Head-cache slots one step's drafting writes after the true pairs (a chain: k)."""
+        return self.k
 
     def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
         """Feed pairs (B, Q) at the cache's next slots (position = slot). -> f^ (B, Q, D)"""
@@ -197,6 +217,19 @@ class EagleProposer:
         with self.packed.active() if self.packed is not None else contextlib.nullcontext():
             return self._propose(ctx, sampling, generator)
 
+    def _catch_up(self, ctx: Context) -> torch.Tensor:
+        """1. catch up: feed the pairs (f_t, x_{t+1}) for t = base .. L-2, all with the target's
+        features, and commit them. -> f^ at each row's pending token (B, D)."""
+        B, dev = ctx.tokens.shape[0], ctx.tokens.device
+        todo = (ctx.lengths - 1 - self.base).clamp(min=0) * ctx.active  # (B,)
+        W = max(int(todo.max()), 1)
+        t = (self.base.view(B, 1) + torch.arange(W, device=dev)).clamp(max=ctx.tokens.shape[1] - 2)  # (B, W)
+        f_in = self.feat.gather(1, t.unsqueeze(-1).expand(B, W, self.feat.shape[-1]))  # (B, W, D)
+        f_hat = self._forward(f_in, ctx.tokens.gather(1, t + 1))  # (B, W, D)
+        self.cache.commit(todo)
+        self.base = self.base + todo
+        return f_hat[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, D)
+
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         B, k, dev = ctx.tokens.shape[0], self.k, ctx.tokens.device
         k_row = np.full(B, k, dtype=np.int64)  # (B,)
@@ -206,15 +239,7 @@ class EagleProposer:
                                                  cfg.verify_cost_fixed), 1)  # (B,)
         active = ctx.active.cpu().numpy()  # (B,)
         k = int(k_row[active].max()) if active.any() else 1
-        # 1. catch up: pairs (f_t, x_{t+1}) for t = base .. L-2, all with the target's features
-        todo = (ctx.lengths - 1 - self.base).clamp(min=0) * ctx.active  # (B,)
-        W = max(int(todo.max()), 1)
-        t = (self.base.view(B, 1) + torch.arange(W, device=dev)).clamp(max=ctx.tokens.shape[1] - 2)  # (B, W)
-        f_in = self.feat.gather(1, t.unsqueeze(-1).expand(B, W, self.feat.shape[-1]))  # (B, W, D)
-        f_hat = self._forward(f_in, ctx.tokens.gather(1, t + 1))  # (B, W, D)
-        self.cache.commit(todo)
-        self.base = self.base + todo
-        last = f_hat[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, D) f^ at the pending token
+        last = self._catch_up(ctx)  # (B, D)
         # 2. draft k tokens, feeding the head its own features after the first
         tokens, qs = [], []
         for i in range(k):

@@ -357,6 +357,8 @@ def speculative_generate(
             draft = proposer.propose(ctx, sampling, generator)
             if not trust:  # a user's proposer: its Draft is checked before the target sees it
                 checks.check_draft(draft, who, B, tgt.vocab_size, k)
+            if draft.parents is not None:
+                checks.check_siblings(draft, who)  # host-side: q paired with the siblings' kind
             t1 = clock()
             # 2. verify: the target scores [pending token, draft] in one forward
             budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
@@ -444,7 +446,7 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
     tok = torch.where(real, draft.tokens[:, :N].to(dev), -1)  # (B, N)
     par = torch.where(real, parents[:, :N].to(dev), -1)  # (B, N)
     anc = tree.ancestor_mask(par, lengths)  # (B, N, N)
-    dep = tree.depths(par, lengths)  # (B, N)
+    dep = anc.sum(-1) * real  # (B, N) depth = ancestors + itself (tree.depths, without a second mask)
     E = 0 if draft.aux is None else draft.aux.tokens.shape[1]
     anc_blk = torch.zeros(B, 1 + N + E, 1 + N + E, dtype=torch.bool, device=dev)  # (B, Q, Q)
     anc_blk[:, :, 0] = True  # everyone sees the root

@@ -126,7 +126,8 @@ class HybridProposer:
             q[:, : ld.q.shape[1]] = ld.q * rest.view(B, 1, 1)
             on = ng_rows.view(B, 1) & (tokens >= 0)  # (B, K) drafted n-gram positions
             q[on.nonzero(as_tuple=True) + (tokens[on],)] = 1.0
-        return Draft(tokens=tokens, lengths=lengths, q=q, parents=parents)
+        siblings = None if parents is None else ld.siblings  # n-gram rows are chains: no siblings
+        return Draft(tokens=tokens, lengths=lengths, q=q, parents=parents, siblings=siblings)
 
     def _propose_tree(self, ctx: Context, ng: Draft, sampling: SamplingConfig, generator: Generators) -> Draft:
         """Nodes [n-gram chain (a_b), learned chain (l_b)] per row; both chains hang from the root."""
@@ -159,7 +160,10 @@ class HybridProposer:
             src = ld.q.to(dev).gather(1, jl.clamp(max=ld.q.shape[1] - 1).unsqueeze(-1).expand(B, N, V))
             q = torch.where(in_l.unsqueeze(-1), src, q)
             q[in_ng.nonzero(as_tuple=True) + (tokens[in_ng],)] = 1.0  # n-gram nodes: one-hot
-        return Draft(tokens=tokens, lengths=a + l_len, q=q, parents=parents)
+        # the n-gram child (q one-hot) and the learned child (drawn from its own q) are independent
+        # draws, each from its own q row: sampled siblings
+        return Draft(tokens=tokens, lengths=a + l_len, q=q, parents=parents,
+                     siblings=None if q is None else "sampled")
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         self.ngram.update(ctx, num_accepted)

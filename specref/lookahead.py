@@ -207,7 +207,8 @@ class LookaheadProposer:
         mask[:, :, 1 + M:] = self._pattern[:, 1:].to(dev)
         aux = AuxBlock(tokens=self.window.reshape(B, -1)[:, 1:],  # (B, E)
                        mask=mask, depth=self._depth.to(dev).expand(B, E))  # (B, E)
-        return Draft(tokens=tree.tokens, lengths=tree.lengths, parents=tree.parents, aux=aux)
+        return Draft(tokens=tree.tokens, lengths=tree.lengths, parents=tree.parents, aux=aux,
+                     siblings="deterministic")
 
     def observe(self, aux_logits: torch.Tensor) -> None:
         """The target's logits at the window tokens (B, E, V): keep the argmax at the newest level."""

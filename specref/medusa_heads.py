@@ -179,7 +179,8 @@ class MedusaProposer:
         tokens = self.heads.token_map[ids]  # (B, N) target ids
         lengths = N * (ctx.active & self.has).long()  # (B,)
         tokens = torch.where(lengths[:, None] > 0, tokens, -1)  # (B, N)
-        return Draft(tokens=tokens, lengths=lengths, parents=self.parents.expand(B, N).clone())
+        return Draft(tokens=tokens, lengths=lengths, parents=self.parents.expand(B, N).clone(),
+                     siblings="deterministic")  # top-k of each head: q one-hot (None)
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         self._store(ctx)

@@ -50,6 +50,12 @@ class Draft:
     tokens (B, N), lengths (B,) the number of real nodes per row (the rest -1).
     q: (B, K, V) probabilities the tokens were sampled from, or None for a deterministic draft
     (q is one-hot on the drafted token).
+    siblings (trees only): how the children of a node were drawn. "sampled": each node is an
+    independent draw from its own q row (SpecInfer's i.i.d. siblings, hybrid.py's two sources);
+    "deterministic": the nodes are a function of the history (top-k of a head, EAGLE-2, Medusa),
+    and q must be None. A tree draft that passes q must say "sampled": top-k siblings verified
+    against the q they were ranked by would be silently lossy (rejection.py's rule for i.i.d.
+    siblings does not hold for them), so the loop refuses that pairing.
     """
 
     tokens: torch.Tensor  # (B, K) long, -1 padded
@@ -57,6 +63,7 @@ class Draft:
     q: Optional[torch.Tensor] = None  # (B, K, V) float or None
     parents: Optional[torch.Tensor] = None  # (B, N) long for a tree draft, None for a chain
     aux: Optional["AuxBlock"] = None  # extra tokens scored in the same forward (lookahead), or None
+    siblings: Optional[str] = None  # trees: "sampled" (q given) or "deterministic" (q None); see above
 
     @property
     def is_tree(self) -> bool:

@@ -26,16 +26,22 @@ METHODS: Dict[str, str] = {
     "lookahead": "lookahead decoding (W, N, G)",
     "draft": "the trained reduced-vocabulary draft model (k by the closed form)",
     "eagle": "EAGLE-1 head, chain (adaptive k)",
+    "eagle2": "EAGLE-2 dynamic tree from the EAGLE-1 head",
+    "eagle3": "EAGLE-3 head (fused features, training-time test), chain (adaptive k)",
+    "eagle3_tree": "EAGLE-3 head, EAGLE-2 dynamic tree",
     "hybrid": "prompt lookup where it matches, else the EAGLE-1 head",
     "hybrid_tree": "prompt lookup and the EAGLE-1 head as two branches of one tree",
     "hybrid_draft": "prompt lookup where it matches, else the trained draft",
+    "hybrid_eagle2": "prompt lookup where it matches, else the EAGLE-2 dynamic tree",
+    "hybrid_eagle3": "prompt lookup where it matches, else the EAGLE-3 head's chain",
     "medusa": "Medusa heads over their shipped tree, lossless acceptance",
     "medusa_typical": "Medusa heads with typical acceptance (LOSSY at T > 0)",
     "hybrid_medusa": "prompt lookup where it matches, else the Medusa heads' tree",
     "mtp": "multi-token prediction modules, chain",
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
-           "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp"}
+           "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
+           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp"}
 
 
 def check_method(name: str) -> str:
@@ -62,9 +68,9 @@ class Registry:
         self.model, self.kind, self.draft_k, self.lookahead = model, kind, draft_k, tuple(lookahead)
         self.target = target if target is not None else Target(model)
         self.weights = dict(weights or {})
-        bad = [k for k in self.weights if k not in ("draft", "eagle", "medusa", "mtp")]
+        bad = [k for k in self.weights if k not in ("draft", "eagle", "eagle3", "medusa", "mtp")]
         if bad:
-            raise ValueError(f"weights keys must be draft, eagle, medusa or mtp, got {bad}")
+            raise ValueError(f"weights keys must be draft, eagle, eagle3, medusa or mtp, got {bad}")
         self.V = int(model.get_output_embeddings().weight.shape[0])
         if isinstance(cost_reps, bool) or not isinstance(cost_reps, int) or cost_reps < 1:
             raise ValueError(f"cost_reps must be an int >= 1, got {cost_reps!r}")
@@ -125,27 +131,45 @@ class Registry:
             return 4
         return optimal_k(float(alpha), measure_cost(self.target, draft)["c"], k_max=10)
 
-    def eagle(self):
-        """(head, EagleConfig): k by the closed form from the held-out alpha and the measured head
-        cost; per row and step k' <= k by the same closed form on the row's measured acceptance,
-        with this machine's costs (a head step plus one more verified token, c0)."""
+    def eagle(self, version: int = 1):
+        """(head, EagleConfig) of the EAGLE-1 head (version 3: the EAGLE-3 head): k by the closed
+        form from the held-out alpha and the measured head cost; per row and step k' <= k by the
+        same closed form on the row's measured acceptance, with this machine's costs (a head step
+        plus one more verified token, c0)."""
         def make():
             from .costs import fit_verify_cost
-            from .eagle_head import WEIGHTS, EagleConfig, EagleHead, eagle_info, load_eagle, measure_head_cost
+            from .eagle_head import EagleConfig, measure_head_cost
             from .theory import optimal_k
 
-            if self.kind == "tiny":  # an untrained head: exercises the code path only
-                head, alpha = EagleHead(self.model, torch.arange(0, self.V, 2)), None
+            if version == 3:
+                from .eagle3 import WEIGHTS, Eagle3Head as Head, eagle3_info as info, load_eagle3 as load
             else:
-                path = self._path("eagle", WEIGHTS)
-                head = load_eagle(self.model, path)
-                alpha = eagle_info(path)["record"].get("heldout", {}).get("heldout_top1")
+                from .eagle_head import WEIGHTS, EagleHead as Head, eagle_info as info, load_eagle as load
+            if self.kind == "tiny":  # an untrained head: exercises the code path only
+                head, alpha = Head(self.model, torch.arange(0, self.V, 2)), None
+            else:
+                path = self._path("eagle3" if version == 3 else "eagle", WEIGHTS)
+                head = load(self.model, path)
+                alpha = info(path)["record"].get("heldout", {}).get("heldout_top1")
             c_head = measure_head_cost(self.target, head, reps=max(15 * self.cost_reps // 9, 5))["c"]
             ek = self.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
             vc = fit_verify_cost(self.verify_costs()["ratios"], ek)  # the shared v(W), W <= ek + 1
             return head, EagleConfig(k=ek, adaptive=True, draft_cost=round(c_head + vc["c"], 4),
                                      verify_cost_fixed=round(vc["c0"], 4))
-        return self._once("eagle", make)
+        return self._once(f"eagle{version}", make)
+
+    def eagle2_config(self):
+        """Eagle2Config (the CPU sizes of its defaults) with this machine's verify cost: a node is
+        kept only if its path's head probability covers the marginal cost of verifying one more
+        token (c of the fitted v(W), W <= 5, the widths the tree uses)."""
+        def make():
+            from .costs import fit_verify_cost
+            from .eagle_tree import Eagle2Config
+
+            n = Eagle2Config().total_tokens
+            vc = fit_verify_cost(self.verify_costs()["ratios"], n)
+            return Eagle2Config(min_value=round(min(max(vc["c"], 0.0), 0.5), 4))
+        return self._once("eagle2", make)
 
     def medusa_heads(self):
         def make():
@@ -200,6 +224,17 @@ class Registry:
                 return EagleProposer(head, ec)
             mode = HybridConfig(mode="tree" if name == "hybrid_tree" else "select")
             return HybridProposer(NgramProposer(self.ngram_config()), EagleProposer(head, ec), mode)
+        if name in ("eagle2", "hybrid_eagle2", "eagle3_tree"):
+            from .eagle_tree import Eagle2Proposer
+
+            p = Eagle2Proposer(self.eagle(3 if name == "eagle3_tree" else 1)[0], self.eagle2_config())
+            return p if name != "hybrid_eagle2" else HybridProposer(NgramProposer(self.ngram_config()), p)
+        if name in ("eagle3", "hybrid_eagle3"):
+            from .eagle_head import EagleProposer
+
+            head, ec = self.eagle(3)
+            p = EagleProposer(head, ec)
+            return p if name == "eagle3" else HybridProposer(NgramProposer(self.ngram_config()), p)
         if name in ("medusa", "medusa_typical", "hybrid_medusa"):
             from .medusa_heads import MedusaConfig, MedusaProposer
 
@@ -233,6 +268,19 @@ class Registry:
                 return f"specref EAGLE-1 head (adaptive, k<={ec.k}; {costs(ec)})"
             how = " and EAGLE-1 head as a 2-branch tree" if name == "hybrid_tree" else ", else EAGLE-1 head"
             return (f"specref n-gram{how} (adaptive, k<={ec.k}; {costs(self.ngram_config())} / "
+                    f"{costs(ec)})")
+        if name in ("eagle2", "hybrid_eagle2", "eagle3_tree"):
+            t = self.eagle2_config()
+            tree = (f"EAGLE-2 tree (top_k {t.top_k}, depth {t.depth}, <= {t.total_tokens} nodes, "
+                    f"V >= {t.min_value:.3f})")
+            if name == "eagle3_tree":
+                return f"specref EAGLE-3 head, {tree}"
+            return f"specref EAGLE-1 head, {tree}" if name == "eagle2" else \
+                f"specref n-gram, else {tree} ({costs(self.ngram_config())})"
+        if name in ("eagle3", "hybrid_eagle3"):
+            ec = self.eagle(3)[1]
+            return (f"specref EAGLE-3 head (adaptive, k<={ec.k}; {costs(ec)})" if name == "eagle3" else
+                    f"specref n-gram, else EAGLE-3 head (adaptive, k<={ec.k}; {costs(self.ngram_config())} / "
                     f"{costs(ec)})")
         if name in ("medusa", "medusa_typical", "hybrid_medusa"):
             heads = self.medusa_heads()

@@ -273,7 +273,8 @@ def _tree_output(path: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor, 
 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
                 q: Optional[torch.Tensor] = None, *, lengths: Optional[torch.Tensor] = None,
-                generator: Generators = None, validate: bool = True) -> TreeResult:
+                generator: Generators = None, validate: bool = True,
+                siblings: Optional[str] = None) -> TreeResult:
     """Recursive rejection sampling down a batch of token trees (see the module docstring).
 
     tokens (B, N) long, -1 padded; parents (B, N) long, -1 = child of the root, else an earlier
@@ -284,8 +285,17 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     deterministic token is rejected (its mass is already removed). Edge cases and errors as
     verify_chain (validate=False as there). Loops over depth levels and, within a level, over
     sibling rank; vectorised over rows. Returns TreeResult(tokens (B, D+1), path (B, D),
-    num_accepted (B,)), D the deepest node.
+    num_accepted (B,)), D the deepest node. siblings: "deterministic" refuses a q (top-k siblings
+    must be verified with q=None; the i.i.d. rule is not lossless for them), "sampled" needs one;
+    None: taken from q.
     """
+    if siblings not in (None, "sampled", "deterministic"):
+        raise ValueError(f"siblings must be 'sampled', 'deterministic' or None, got {siblings!r}")
+    if siblings == "deterministic" and q is not None:
+        raise ValueError("siblings='deterministic' with a q: deterministic (top-k) siblings are verified "
+                         "with q=None; the rule for sampled siblings is not lossless for them")
+    if siblings == "sampled" and q is None:
+        raise ValueError("siblings='sampled' needs the q the nodes were drawn from")
     if not isinstance(p, torch.Tensor) or p.dim() != 3:
         raise ValueError(f"p must be a (B, N+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
     V = p.shape[-1]

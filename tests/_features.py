@@ -1,5 +1,8 @@
 """Shared by the feature-reading proposers' tests (EAGLE, Medusa, MTP): the V = 16 tiny target and
-sequences sampled from it with the target's top-k and final features attached."""
+sequences sampled from it with the target's top-k and final features attached; the trained EAGLE
+head that test_eagle.py (chains) and test_eagle_tree.py (EAGLE-2 trees) share."""
+import functools
+
 import torch
 
 from specref.generate import autoregressive_generate
@@ -29,3 +32,20 @@ def feature_data(target, n, seed=0):
         s.topk_ids, s.topk_logprobs = ids[i, 4:20], logp[i, 4:20]
     attach_features(target, seqs, progress=False)
     return seqs
+
+
+@functools.lru_cache(maxsize=1)
+def trained_eagle():
+    """(target, head, training history): 120 steps on 160 sampled sequences; 12 of 16 tokens drafted.
+    Trained once per test process."""
+    from specref.eagle_head import EagleHead
+    from specref.training.draft import build_token_map
+    from specref.training.eagle import EagleTask, EagleTrainConfig
+    from specref.training.loop import TrainConfig, fit, split_heldout
+    target = feature_target()
+    train, held = split_heldout(feature_data(target, 160), 0.2, seed=0)
+    head = EagleHead(target, build_token_map(train, V, 12), seed=0)
+    cfg = TrainConfig(steps=120, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=120, seed=0)
+    res = fit(EagleTask(head, EagleTrainConfig(w_cls=1.0), seed=0), train, held, cfg, progress=False,
+              log=lambda s: None)
+    return target, head.eval(), res.history

@@ -2,15 +2,38 @@
 
 Tiny models spend their time in thread synchronisation, not arithmetic: one intra-op thread is
 ~10x faster for them on a loaded 2-core machine, and keeps runs comparable. Override with
-SPECREF_TEST_THREADS. The tests mirror the package: tests/oracle/, tests/training/, tests/bench/,
+SPECREF_TEST_THREADS. The whole-loop statistical tests (marker `big_batch`: tens of thousands of rows
+per batch) take SPECREF_TEST_BIG_THREADS (2). The tests mirror the package: tests/oracle/, tests/training/, tests/bench/,
 tests/backends/ beside the core and method tests; their file names are unique (pytest's default
 import mode) and the shared helper _stats.py is importable from every folder.
 """
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `import _stats`
 
 torch.set_num_threads(int(os.environ.get("SPECREF_TEST_THREADS", "1")))
+BIG_THREADS = int(os.environ.get("SPECREF_TEST_BIG_THREADS", "2"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "big_batch: a whole-loop statistical test over tens of thousands of rows "
+                            "in one batch; runs with SPECREF_TEST_BIG_THREADS (default 2) intra-op threads")
+
+
+@pytest.fixture(autouse=True)
+def _big_batch_threads(request):
+    """Whole-loop chi-square tests batch 25,000-80,000 rows: large tensors, where a second thread
+    pays (unlike the tiny models' single-row steps)."""
+    if request.node.get_closest_marker("big_batch") is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(BIG_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

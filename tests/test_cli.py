@@ -49,10 +49,10 @@ def test_draft_still_works_with_k(capsys):
 
 def test_unknown_method_lists_valid_names(capsys):
     with pytest.raises(SystemExit) as e:
-        _gen("--method", "eagle3")
+        _gen("--method", "eagle9")
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "unknown method 'eagle3'" in err
+    assert "unknown method 'eagle9'" in err
     assert all(name in err for name in list(METHODS) + ["auto"])
 
 

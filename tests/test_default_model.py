@@ -3,7 +3,8 @@
 speculative_generate == autoregressive_generate == HF generate(do_sample=False), batch 1 and 4 with
 prompts of different lengths, k = 4, a draft model (the target's first 2 layers: mostly
 rejected) and the target itself as draft (always accepted: exercises full accepts); the committed
-Medusa heads (two tree shapes) and MTP modules (D = 2, and D = 1 reused for k = 3).
+Medusa heads (two tree shapes), MTP modules (D = 2, and D = 1 reused for k = 3) and the committed
+EAGLE-1 head growing EAGLE-2 dynamic trees, the committed EAGLE-3 head (chains and trees).
 """
 import pytest
 import torch
@@ -19,7 +20,7 @@ PROMPTS = [
     "List three prime numbers and explain why each is prime.",
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
-N_NEW = 24
+N_NEW = 20
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +109,42 @@ def test_committed_mtp_modules_greedy_parity(default):
     one = speculative_generate(model, MTPProposer(stack, MTPConfig(k=3, modules=1)), row, max_new_tokens=N_NEW,
                                temperature=0)
     assert one.row(0) == ar.row(1)
+
+
+def test_committed_eagle_head_dynamic_tree_greedy_parity(default):
+    """EAGLE-2 trees from the committed EAGLE-1 head (the CPU defaults: ragged rows by min_value),
+    batch 4 with ragged prompts and batch 1."""
+    from specref.eagle_head import load_eagle
+    from specref.eagle_tree import Eagle2Proposer
+
+    model, tok, enc, ar = default
+    head = load_eagle(model)
+    prop = Eagle2Proposer(head)
+    out = speculative_generate(model, prop, enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    assert out.stats.num_accepted_tokens > 0 and len(set(prop.tree_sizes)) > 1  # accepted; ragged trees
+    row = enc.input_ids[0][enc.attention_mask[0].bool()]
+    one = speculative_generate(model, Eagle2Proposer(head), row, max_new_tokens=N_NEW, temperature=0)
+    assert one.row(0) == ar.row(0)
+
+
+def test_committed_eagle3_head_greedy_parity(default):
+    """The committed EAGLE-3 head (fused layers 2, 15, 27): chains and EAGLE-2 trees, batch 4 with
+    ragged prompts and batch 1 for each."""
+    from specref.eagle3 import load_eagle3
+    from specref.eagle_head import EagleConfig, EagleProposer
+    from specref.eagle_tree import Eagle2Proposer
+
+    model, tok, enc, ar = default
+    head = load_eagle3(model)
+    for make in (lambda: EagleProposer(head, EagleConfig(k=3)), lambda: Eagle2Proposer(head)):
+        out = speculative_generate(model, make(), enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW,
+                                   temperature=0)
+        assert torch.equal(out.tokens, ar.tokens)
+        assert out.stats.num_accepted_tokens > 0
+        row = enc.input_ids[3][enc.attention_mask[3].bool()]
+        one = speculative_generate(model, make(), row, max_new_tokens=N_NEW, temperature=0)
+        assert one.row(0) == ar.row(3)
 
 
 def test_processors_greedy_parity_with_transformers(default):

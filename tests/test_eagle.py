@@ -4,33 +4,22 @@ import pytest
 import torch
 
 from _stats import power_rows
-from _features import feature_data, feature_target
+from _features import trained_eagle
 from specref import oracle
 from specref.training.data import Seq, collate
 from specref.eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle, save_eagle
-from specref.training.eagle import EagleTask, EagleTrainConfig
+from specref.training.eagle import EagleTask
 from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.sampling import SamplingConfig
-from specref.training.loop import TrainConfig, fit, split_heldout
-from specref.training.draft import build_token_map
 
 V = 16
 
 
-_target, _data = feature_target, feature_data  # tests/_features.py
-
-
 @pytest.fixture(scope="module")
 def trained():
-    """(target, head, training history): 120 steps on 160 sampled sequences; 12 of 16 tokens drafted."""
-    target = _target()
-    train, held = split_heldout(_data(target, 160), 0.2, seed=0)
-    head = EagleHead(target, build_token_map(train, V, 12), seed=0)
-    cfg = TrainConfig(steps=120, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=120, seed=0)
-    res = fit(EagleTask(head, EagleTrainConfig(w_cls=1.0), seed=0), train, held, cfg, progress=False,
-              log=lambda s: None)
-    return target, head.eval(), res.history
+    """(target, head, training history), shared with test_eagle_tree.py (tests/_features.py)."""
+    return trained_eagle()
 
 
 def test_training_reduces_regression_and_raises_agreement(trained):
@@ -137,6 +126,7 @@ def test_adaptive_draft_length(trained, cost):
         assert one.row(0) == batch.row(b)
 
 
+@pytest.mark.big_batch
 @pytest.mark.parametrize("case", [
     # (temperature, top_k, greedy draft, k, adaptive)
     (1.0, 0, False, 3, False),  # plain sampling, sampled draft with q (reduced vocabulary: q = 0 on 4 tokens)

@@ -31,13 +31,13 @@ def test_bad_names_and_kinds(model):
     with pytest.raises(ValueError, match="kind must be"):
         Registry(model, kind="huge")
     with pytest.raises(ValueError, match="weights keys"):
-        Registry(model, kind="custom", weights={"eagle3": "x"})
+        Registry(model, kind="custom", weights={"eagle9": "x"})
 
 
 def test_custom_model_needs_named_weights(model, tmp_path):
     reg = Registry(model, kind="custom")
     assert reg.proposer("ngram") is not None  # no weights needed
-    for name in ("eagle", "draft", "medusa", "mtp", "hybrid"):
+    for name in ("eagle", "eagle2", "eagle3", "eagle3_tree", "draft", "medusa", "mtp", "hybrid"):
         with pytest.raises(ValueError, match="no trained .* for this model: pass weights"):
             reg.proposer(name)
     head = EagleHead(model, torch.arange(0, 64, 2))

@@ -60,7 +60,8 @@ class BigramTreeProposer:
                 tokens[:, i] = q.topk(int(self.rank[i]) + 1, dim=-1).indices[:, -1]
         lengths = torch.full((B,), N) * ctx.active
         q = q_all if self.sampled and not sampling.greedy else None
-        return Draft(tokens=tokens, lengths=lengths, q=q, parents=self.parents.expand(B, N).clone())
+        return Draft(tokens=tokens, lengths=lengths, q=q, parents=self.parents.expand(B, N).clone(),
+                     siblings="sampled" if q is not None else "deterministic")
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -77,6 +78,7 @@ def test_tree_greedy_parity(shape):
     assert sp.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.big_batch
 @pytest.mark.parametrize("shape,sampled", [("deep_chain", True), ("wide_fan", True), ("mixed", True),
                                            ("wide_fan", False), ("mixed", False)])
 def test_tree_whole_loop_lossless(shape, sampled):

@@ -13,7 +13,10 @@ so its head scatters the Vd logits into the full V with -inf elsewhere: the same
 outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain; Medusa
 the committed heads (medusa_heads.py) over the tree their file ships, with lossless acceptance
 (`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
-T = 0); MTP the committed modules (mtp.py) as a chain of k = max(D, 3). Left out: EAGLE-2 trees.
+T = 0); MTP the committed modules (mtp.py) as a chain of k = max(D, 3); EAGLE-2 (`eagle2`,
+eagle_tree.py) the same EAGLE-1 head growing a dynamic tree, alone or behind prompt lookup
+(`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`, `hybrid_eagle3`, eagle3.py) the committed
+EAGLE-3 head as a chain, a dynamic tree, or behind prompt lookup.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ import torch
 
 from ..costs import device_sync
 
-ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "hybrid", "hybrid_tree", "hybrid_draft",
-               "medusa", "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
+ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3", "eagle3_tree", "hybrid",
+               "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa", "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):

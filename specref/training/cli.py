@@ -22,9 +22,13 @@ def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
-    ap.add_argument("--method", choices=("draft", "eagle", "medusa", "mtp"), default="draft",
-                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head; medusa: "
-                    "Medusa-1 heads on the feature store (`python -m specref data`); mtp: DeepSeek-V3 MTP modules")
+    ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp"), default="draft",
+                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head; eagle3: the EAGLE-3 "
+                    "head (training-time test) on a store with its layers (`python -m specref data --layers 2 15 "
+                    "27`); medusa: Medusa-1 heads on the feature store (`python -m specref data`); mtp: DeepSeek-V3 "
+                    "MTP modules")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled steps of the training-time test "
+                    "(1: teacher forcing only)")
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
     ap.add_argument("--store", default=None, help="medusa, mtp: the feature store folder (default: <specref "
                     "cache>/store; mtp with --data: a self-distilled folder instead)")
@@ -87,6 +91,8 @@ def train_main(argv=None) -> int:
                             warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len)
     if a.method == "medusa":
         return _medusa(a, train_cfg)
+    if a.method == "eagle3":
+        return _eagle3(a, train_cfg)
     if a.method == "mtp" and a.data:  # a self-distilled data folder, as EAGLE's command
         from .mtp import MTPTrainConfig, run_mtp_command
 
@@ -104,7 +110,7 @@ def train_main(argv=None) -> int:
                         eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
 
 
-def _from_store(a, name: str, heldout_fraction: float):
+def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
     """The default model frozen, the feature store's (train, heldout) split, the run folder and a
     record of the data. -> (target, train, heldout, out, record)"""
     from pathlib import Path
@@ -117,7 +123,7 @@ def _from_store(a, name: str, heldout_fraction: float):
     target, _ = load_default(device=a.device)
     for q in target.parameters():
         q.requires_grad_(False)
-    train, held = store_split(store, heldout_fraction=heldout_fraction, seed=a.seed)
+    train, held = store_split(store, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
     out = Path(a.out) if a.out else cache_root() / "train" / f"{name}_seed{a.seed}"
     out.mkdir(parents=True, exist_ok=True)
     rec = {"store": str(store), "manifest": {k: man.get(k) for k in ("model_fingerprint", "settings", "sources")},
@@ -142,6 +148,20 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec)
     _export(out / "medusa.safetensors", a.export)
+    return 0
+
+
+def _eagle3(a, train_cfg: TrainConfig) -> int:
+    """The EAGLE-3 head of the default model on a store holding its fused layers' features."""
+    from ..eagle3 import default_layers
+    from .eagle3 import Eagle3TrainConfig, run_eagle3_training
+
+    cfg = Eagle3TrainConfig(draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps)
+    layers = default_layers(30)  # SmolLM2-135M: after layers 2, 15 and 27 of 30
+    target, train, held, out, rec = _from_store(a, f"eagle3_ttt{a.ttt_steps}", cfg.heldout_fraction, layers)
+    run_eagle3_training(target, train, held, train_cfg, cfg, out / "eagle3.safetensors", layers=layers,
+                        checkpoint_dir=out, record=rec)
+    _export(out / "eagle3.safetensors", a.export)
     return 0
 
 
