@@ -46,9 +46,9 @@ class Eagle2Config:
     the default model, packed linears) a block of W tokens costs ~1.0/1.2/1.3/1.4/1.55 one-token
     forwards for W = 1/3-4/5-6/8/11 (~0.045 per extra token), and one frontier step of the head
     ~0.07-0.08: measured side by side on 6 TRAINING prompts (specref/data/instructions.jsonl, never
-    the evaluation set), 64 greedy tokens, against the EAGLE-1 chain (1.44x, tau 1.94): trees of
-    10-15 nodes at depth 5-6 reached tau 2.4-2.6 but only 1.15x; 4-5 nodes at depth 3 ~1.33-1.40x
-    (tau 2.2). So: small, shallow trees, chosen from a wide candidate pool."""
+    the evaluation set), 64 greedy tokens, against the EAGLE-1 chain (1.39-1.47x, tau ~2.0): trees
+    of 10-15 nodes at depth 5-6 reached tau 2.4-2.6 but only 1.10-1.19x; 4-5 nodes at depth 3
+    1.37-1.42x (tau 2.2; BENCHMARKS.md). So: small, shallow trees, chosen from a wide candidate pool."""
 
     top_k: int = 3  # children per expanded node and frontier width (paper: 10): the pool to rerank
     # is top_k + (depth-1) top_k^2 = 21 candidates; a frontier row costs the head little

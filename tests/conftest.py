@@ -2,9 +2,11 @@
 
 Tiny models spend their time in thread synchronisation, not arithmetic: one intra-op thread is
 ~10x faster for them on a loaded 2-core machine, and keeps runs comparable. Override with
-SPECREF_TEST_THREADS. The whole-loop statistical tests (marker `big_batch`: tens of thousands of rows
-per batch) take SPECREF_TEST_BIG_THREADS (2). The tests mirror the package: tests/oracle/, tests/training/, tests/bench/,
-tests/backends/ beside the core and method tests; their file names are unique (pytest's default
+SPECREF_TEST_THREADS. Tests on large tensors (marker `two_threads`: the whole-loop statistical tests
+over tens of thousands of rows per batch, the default model's parity tests) take
+SPECREF_TEST_BIG_THREADS (2); tests/test_models.py runs first (see pytest_collection_modifyitems).
+The tests mirror the package: tests/oracle/, tests/training/, tests/bench/, tests/backends/ beside
+the core and method tests; their file names are unique (pytest's default
 import mode) and the shared helper _stats.py is importable from every folder.
 """
 import os
@@ -17,18 +19,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `import _s
 
 torch.set_num_threads(int(os.environ.get("SPECREF_TEST_THREADS", "1")))
 BIG_THREADS = int(os.environ.get("SPECREF_TEST_BIG_THREADS", "2"))
+FIRST = "test_models.py"  # its default-model tests convert the GGUF first and seed the cache (below)
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "big_batch: a whole-loop statistical test over tens of thousands of rows "
-                            "in one batch; runs with SPECREF_TEST_BIG_THREADS (default 2) intra-op threads")
+    config.addinivalue_line("markers", "two_threads: large tensors (a whole-loop statistical test over tens of "
+                            "thousands of rows, the default model); runs with SPECREF_TEST_BIG_THREADS (default 2) "
+                            "intra-op threads")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """tests/test_models.py first (a stable sort): its fixture converts the default model's GGUF
+    offline into a temporary cache and then seeds the user's cache with it when that is empty (a
+    fresh CI machine), so the GGUF is converted once per run, not twice (~40 s each)."""
+    items.sort(key=lambda item: 0 if item.path.name == FIRST else 1)
 
 
 @pytest.fixture(autouse=True)
-def _big_batch_threads(request):
-    """Whole-loop chi-square tests batch 25,000-80,000 rows: large tensors, where a second thread
-    pays (unlike the tiny models' single-row steps)."""
-    if request.node.get_closest_marker("big_batch") is None:
+def _two_threads(request):
+    """Whole-loop chi-square tests batch 25,000-80,000 rows, the default model's forwards are 135M
+    parameters: large tensors, where a second thread pays (unlike the tiny models' steps)."""
+    if request.node.get_closest_marker("two_threads") is None:
         yield
         return
     before = torch.get_num_threads()

@@ -21,6 +21,7 @@ PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
 N_NEW = 20
+pytestmark = pytest.mark.two_threads  # 135M-parameter forwards: a second thread pays (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def _padded_draft(target, rows):
     return d
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("rows", [20, 12])  # a padded superset and a subset of the target's 16 ids
 def test_padded_vocabulary_draft(rows):
     import numpy as np

@@ -126,7 +126,7 @@ def test_adaptive_draft_length(trained, cost):
         assert one.row(0) == batch.row(b)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
     # (temperature, top_k, greedy draft, k, adaptive)
     (1.0, 0, False, 3, False),  # plain sampling, sampled draft with q (reduced vocabulary: q = 0 on 4 tokens)

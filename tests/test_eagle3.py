@@ -110,7 +110,7 @@ def test_greedy_parity_batched(trained, name, cfg):
         assert one.row(0) == sp.row(b)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("name,temperature,top_k", [("chain", 1.0, 0), ("tree", 0.7, 5)])
 def test_whole_loop_lossless(trained, name, temperature, top_k):
     """Joint of the first 3 tokens vs the exact distribution; n from tests/_stats.power_rows (TV

@@ -125,7 +125,7 @@ def test_greedy_parity_batched(trained, cfg):
         assert one.row(0) == sp.row(b)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_whole_loop_lossless(trained, temperature, top_k):
     """Joint of the first 3 tokens vs the exact distribution, n rows in one batch; power: n is the

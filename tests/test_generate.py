@@ -135,7 +135,7 @@ def _joint_counts(out, V, L):
     return oracle.counts(oracle.joint_index(toks, V), V ** L)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
     # (temperature, top_k, top_p, greedy draft, k)
     (1.0, 0, 1.0, False, 2),  # plain sampling, sampled draft with q
@@ -191,7 +191,7 @@ def test_whole_loop_catches_a_wrong_verifier(monkeypatch):
     assert oracle.chi_square_gof(_joint_counts(out, V, L), exact).p_value < ALPHA
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 def test_autoregressive_sampling_lossless():
     V, L = 16, 3
     target = tiny_model("qwen2", vocab_size=V, seed=4, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)

@@ -119,7 +119,7 @@ def test_learned_state_survives_skipped_steps(target, kind, mode):
     assert sum(learned_acc) > 0, learned_acc  # its own drafts were accepted in some steps
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("kind,mode", [("eagle", "select"), ("draft", "tree")])  # q mixing as in draft/select
 def test_whole_loop_lossless(target, kind, mode):
     """Joint of the first 2 tokens vs the exact distribution, 62,000 rows in one batch (power >= 0.99

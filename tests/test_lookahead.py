@@ -153,6 +153,7 @@ def _chat(tok, texts):
     return tok(prompts, return_tensors="pt", padding=True)
 
 
+@pytest.mark.two_threads
 def test_greedy_parity_default_model():
     """SmolLM2-135M: parity alone and in a ragged batch of 4, and accepted n-grams on a repetitive
     prompt (tokens per forward > 1)."""
@@ -176,7 +177,7 @@ def test_greedy_parity_default_model():
     assert alone.stats.tokens_per_forward > 1.2, alone.stats
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
     # (W, N, G, pool_from_prompt, temperature, top_k, L, rows, prompt length)
     (3, 3, 3, False, 1.0, 0, 3, 45_000, 9),  # only the window's n-grams: pooled after step 2, used by token 3

@@ -97,7 +97,7 @@ def _joint_run(trained, temperature, top_k, acceptance, n, L, seed):
     return exact, oracle.chi_square_gof(counts, exact), tv, out.stats
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
 def test_lossless_tree_sampling_whole_loop(trained, temperature, top_k):
     """Joint of the first 2 tokens vs exact (256 cells), 50,000 rows; power >= 0.99 against TV
@@ -211,7 +211,7 @@ def test_weights_round_trip_and_errors(trained, tmp_path):
         speculative_generate(target, prop, torch.tensor([1, 2]), max_new_tokens=2)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 def test_hybrid_with_medusa_trees(trained):
     """Prompt lookup's chains and Medusa's trees in one tree draft (HybridProposer "select"):
     greedy parity on a ragged batch, and the whole-loop chi-square at T = 1 with both sources used."""

@@ -38,7 +38,27 @@ def default(tmp_path_factory):
         mp.setattr(socket.socket, "connect", no_network)
         model, tokenizer = load_default()  # converts: ~40 s
         env_after = os.environ.get("HF_HUB_OFFLINE")
+    _seed_user_cache(root)
     return dict(root=root, model=model, tokenizer=tokenizer, connects=connects, env_after=env_after)
+
+
+def _seed_user_cache(root: Path) -> None:
+    """A fresh machine (CI) has no converted model in the user's cache yet: give it this module's
+    conversion (copied under a temporary name, then renamed), so the rest of the suite loads it
+    instead of converting the GGUF a second time. conftest.py runs this module first."""
+    import shutil
+
+    (folder,) = [p for p in root.iterdir() if p.is_dir()]
+    user = models.cache_root()
+    if models._is_complete(user / folder.name):
+        return
+    user.mkdir(parents=True, exist_ok=True)
+    tmp = user / f".{folder.name}.seed-{os.getpid()}"
+    shutil.copytree(folder, tmp)
+    try:
+        tmp.rename(user / folder.name)
+    except OSError:  # another process seeded it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_default_model_architecture_and_logits(default):

@@ -168,7 +168,7 @@ def test_greedy_parity_batched(trained, modules, k):
         assert one.row(0) == sp.row(b)
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
     # (temperature, top_k, modules, k, rows)
     (1.0, 0, 2, 2, 70_000),  # plain sampling: depth 2 drafted by module 2 (q = 0 on the 4 tokens outside Vd)

@@ -139,7 +139,7 @@ def _exact(target, L, penalty):
                                  processor=RepetitionPenaltyLogitsProcessor(penalty)).numpy()
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_whole_loop_lossless_with_repetition_penalty(kind):
     """T = 1, repetition_penalty 1.5 (strong: the joint moves by TV 0.2 from the plain one), joint

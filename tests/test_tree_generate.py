@@ -78,7 +78,7 @@ def test_tree_greedy_parity(shape):
     assert sp.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.big_batch
+@pytest.mark.two_threads
 @pytest.mark.parametrize("shape,sampled", [("deep_chain", True), ("wide_fan", True), ("mixed", True),
                                            ("wide_fan", False), ("mixed", False)])
 def test_tree_whole_loop_lossless(shape, sampled):
