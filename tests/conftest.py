@@ -2,12 +2,12 @@
 
 Tiny models spend their time in thread synchronisation, not arithmetic: one intra-op thread is
 ~10x faster for them on a loaded 2-core machine, and keeps runs comparable. Override with
-SPECREF_TEST_THREADS. Tests on large tensors (marker `two_threads`: the whole-loop statistical tests
-over tens of thousands of rows per batch, the default model's parity tests) take
-SPECREF_TEST_BIG_THREADS (2); tests/test_models.py runs first (see pytest_collection_modifyitems).
-The tests mirror the package: tests/oracle/, tests/training/, tests/bench/, tests/backends/ beside
-the core and method tests; their file names are unique (pytest's default
-import mode) and the shared helper _stats.py is importable from every folder.
+SPECREF_TEST_THREADS. The whole-loop statistical tests (marker `two_threads`: tens of thousands of
+rows per batch) take SPECREF_TEST_BIG_THREADS (2: measured 35-40% faster each). tests/test_models.py
+runs first (see pytest_collection_modifyitems). The tests mirror the package: tests/oracle/,
+tests/training/, tests/bench/, tests/backends/ beside the core and method tests; their file names
+are unique (pytest's default import mode) and the shared helper _stats.py is importable from every
+folder.
 """
 import os
 import sys
@@ -23,9 +23,8 @@ FIRST = "test_models.py"  # its default-model tests convert the GGUF first and s
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "two_threads: large tensors (a whole-loop statistical test over tens of "
-                            "thousands of rows, the default model); runs with SPECREF_TEST_BIG_THREADS (default 2) "
-                            "intra-op threads")
+    config.addinivalue_line("markers", "two_threads: a whole-loop statistical test over tens of thousands of rows "
+                            "in one batch; runs with SPECREF_TEST_BIG_THREADS (default 2) intra-op threads")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -37,8 +36,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(autouse=True)
 def _two_threads(request):
-    """Whole-loop chi-square tests batch 25,000-80,000 rows, the default model's forwards are 135M
-    parameters: large tensors, where a second thread pays (unlike the tiny models' steps)."""
+    """Whole-loop chi-square tests batch 25,000-80,000 rows: large tensors, where a second thread
+    pays (unlike the tiny models' single-row steps)."""
     if request.node.get_closest_marker("two_threads") is None:
         yield
         return

@@ -21,7 +21,6 @@ PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
 ]
 N_NEW = 20
-pytestmark = pytest.mark.two_threads  # 135M-parameter forwards: a second thread pays (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -131,26 +130,27 @@ def test_committed_eagle_head_dynamic_tree_greedy_parity(default):
 
 def test_committed_eagle3_head_greedy_parity(default):
     """The committed EAGLE-3 head (fused layers 2, 15, 27): chains and EAGLE-2 trees, batch 4 with
-    ragged prompts and batch 1 for each."""
+    ragged prompts; the chain at batch 1."""
     from specref.eagle3 import load_eagle3
     from specref.eagle_head import EagleConfig, EagleProposer
     from specref.eagle_tree import Eagle2Proposer
 
     model, tok, enc, ar = default
     head = load_eagle3(model)
-    for make in (lambda: EagleProposer(head, EagleConfig(k=3)), lambda: Eagle2Proposer(head)):
-        out = speculative_generate(model, make(), enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW,
-                                   temperature=0)
-        assert torch.equal(out.tokens, ar.tokens)
-        assert out.stats.num_accepted_tokens > 0
-        row = enc.input_ids[3][enc.attention_mask[3].bool()]
-        one = speculative_generate(model, make(), row, max_new_tokens=N_NEW, temperature=0)
-        assert one.row(0) == ar.row(3)
+    out = speculative_generate(model, EagleProposer(head, EagleConfig(k=3)), enc.input_ids, enc.attention_mask,
+                               max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens) and out.stats.num_accepted_tokens > 0
+    out = speculative_generate(model, Eagle2Proposer(head), enc.input_ids, enc.attention_mask, max_new_tokens=N_NEW,
+                               temperature=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    row = enc.input_ids[3][enc.attention_mask[3].bool()]  # batch 1: the chain (the tree's batch 1 is EAGLE-2's test)
+    one = speculative_generate(model, EagleProposer(head, EagleConfig(k=3)), row, max_new_tokens=N_NEW, temperature=0)
+    assert one.row(0) == ar.row(3)
 
 
 def test_processors_greedy_parity_with_transformers(default):
-    """repetition_penalty 1.2, no_repeat_ngram_size 3, min_new_tokens 8: batch 4 (ragged) for a
-    draft model, n-gram, the committed EAGLE head and the committed Medusa tree, batch 1 for the
+    """repetition_penalty 1.2, no_repeat_ngram_size 3, min_new_tokens 8: batch 4 (ragged) for
+    n-gram, the committed EAGLE head and the committed Medusa tree, batch 1 for the
     tree, each equal to transformers' generate with the same processors on each row alone (a
     batched generate's processors would read its left padding as context)."""
     from specref.eagle_head import EagleConfig, EagleProposer, load_eagle
@@ -165,8 +165,7 @@ def test_processors_greedy_parity_with_transformers(default):
         out = model.generate(input_ids=r, attention_mask=torch.ones_like(r), max_new_tokens=n, do_sample=False,
                              pad_token_id=tok.pad_token_id, **procs)[0, r.shape[1]:].tolist()
         want.append(out[: out.index(eos) + 1] if eos in out else out)
-    props = {"draft": lambda: DraftModelProposer(truncated_draft(model, 2), DraftModelConfig(k=4)),
-             "ngram": lambda: NgramProposer(NgramConfig(k=4)),
+    props = {"ngram": lambda: NgramProposer(NgramConfig(k=4)),  # a draft model: tests/test_processors.py
              "eagle": lambda: EagleProposer(load_eagle(model), EagleConfig(k=3)),
              "medusa": lambda: MedusaProposer(load_medusa(model))}
     for name, make in props.items():

@@ -153,7 +153,6 @@ def _chat(tok, texts):
     return tok(prompts, return_tensors="pt", padding=True)
 
 
-@pytest.mark.two_threads
 def test_greedy_parity_default_model():
     """SmolLM2-135M: parity alone and in a ragged batch of 4, and accepted n-grams on a repetitive
     prompt (tokens per forward > 1)."""
