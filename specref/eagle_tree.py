@@ -26,7 +26,6 @@ Left out: EAGLE-2's GPU sizes (total_tokens 60, depth 6, top_k 10; see Eagle2Con
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -98,14 +97,9 @@ class Eagle2Proposer(EagleProposer):
         with attending(self.cache, S):
             return self.head(f_in, x_in, positions, additive_mask(allowed, f_in.dtype), cache=self.cache)
 
-    @torch.no_grad()
-    def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
-        if self.cache is None:
-            raise ValueError("Eagle2Proposer.propose() called before begin()")
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
-            return self._propose_tree(ctx)
-
-    def _propose_tree(self, ctx: Context) -> Draft:
+    def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
+        """The tree (EagleProposer.propose runs it: no grad, the packed linears); the same at
+        every temperature, so sampling and generator play no part."""
         cfg, head = self.tree, self.head
         B, dev, K = ctx.tokens.shape[0], ctx.tokens.device, cfg.top_k
         last = self._catch_up(ctx)  # (B, D) f^ at the pending token

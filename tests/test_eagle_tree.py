@@ -172,8 +172,8 @@ class _RootQ(Eagle2Proposer):
         self.last = super()._catch_up(ctx)  # (B, D) f^ at the pending token
         return self.last
 
-    def _propose_tree(self, ctx):
-        d = super()._propose_tree(ctx)
+    def _propose(self, ctx, sampling, generator):
+        d = super()._propose(ctx, sampling, generator)
         q = to_target_vocab(torch.softmax(self.head.logits(self.last).float(), -1), self.head.token_map, V)  # (B, V)
         return Draft(d.tokens, d.lengths, q=q.unsqueeze(1).expand(-1, d.tokens.shape[1], -1).contiguous(),
                      parents=d.parents, siblings="sampled")
