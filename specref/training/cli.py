@@ -41,6 +41,9 @@ def train_main(argv=None) -> int:
     ap.add_argument("--num-instructions", type=int, default=None)
     ap.add_argument("--passage-prompts", type=int, default=DistillConfig.passage_prompts,
                     help="second-stage prompts quoting the target's own answers as passages")
+    ap.add_argument("--self-instruct", type=int, default=DistillConfig.self_instruct, metavar="N",
+                    help="also N requests written by the target itself (Magpie-style, training/self_instruct.py), "
+                    "answered like the seed instructions")
     ap.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
     ap.add_argument("--temperature", type=float, default=DistillConfig.temperature)
     ap.add_argument("--gen-batch-size", type=int, default=DistillConfig.batch_size)
@@ -86,7 +89,7 @@ def train_main(argv=None) -> int:
         return 0 if res["parity"] else 1
     data_cfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
                              temperature=a.temperature, batch_size=a.gen_batch_size,
-                             passage_prompts=a.passage_prompts)
+                             passage_prompts=a.passage_prompts, self_instruct=a.self_instruct)
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
                             warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len)
     if a.method == "medusa":

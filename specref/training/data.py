@@ -4,6 +4,8 @@ Drafts and heads are trained on what the target itself writes (Medusa-2's and EA
 "self-distillation", Cai et al. 2024 Sec. 3.3; Li et al. 2024): the target answers a seed list of
 instructions (specref/data/instructions.jsonl: hand-written templates x topics, never Spec-Bench)
 with specref's own `autoregressive_generate`, batched and left-padded, at a configured temperature.
+Optionally the first stage also answers requests that the target itself wrote (`self_instruct`:
+self_instruct.py, Magpie-style user turns over the kinds of request people send an assistant).
 An optional second stage (`passage_prompts`) quotes the target's own first-stage answers as
 passages in new instructions (summarise, answer questions about, rewrite, proofread, translate,
 compare two texts): prompts of a few hundred tokens whose answers copy from the context, as
@@ -52,12 +54,14 @@ class DistillConfig:
     topk: int = 32  # target top-k log-probs stored per response position (0: none)
     passage_prompts: int = 0  # second stage: prompts that quote the target's own first-stage
     # answers as a passage (summarise / answer about / rewrite / proofread / translate it)
+    self_instruct: int = 0  # first stage too: this many requests written by the target itself
+    # (self_instruct.py, Magpie-style), answered like the seed instructions
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("topk", "passage_prompts"):
+        for name in ("topk", "passage_prompts", "self_instruct"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if not self.temperature >= 0:
@@ -266,8 +270,13 @@ def passage_instructions(texts: Sequence[str], n: int, seed: int = 0, min_chars:
 
 
 def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
-            instructions_path=INSTRUCTIONS, progress: bool = True) -> dict:
-    """Generate (or finish generating) the self-distilled data in out_dir; returns the manifest."""
+            instructions_path=INSTRUCTIONS, progress: bool = True, requests=None) -> dict:
+    """Generate (or finish generating) the self-distilled data in out_dir; returns the manifest.
+    requests: (rows, manifest record) of target-written requests when config.self_instruct > 0
+    (self_instruct.distill passes them)."""
+    if config.self_instruct and requests is None:
+        raise ValueError("config.self_instruct > 0: the requests come from self_instruct.distill, which "
+                         "writes them and then calls this function")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = load_instructions(instructions_path, config.num_instructions, config.seed)
@@ -276,7 +285,8 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         "instructions": str(Path(instructions_path).name), "num_instructions": len(rows),
         "model_fingerprint": fingerprint(model), "model": getattr(model.config, "_name_or_path", ""),
         "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
-        "corpora": "none (self-distilled only; second-stage passages are the target's own answers)",
+        "corpora": "none (self-distilled only; second-stage passages are the target's own answers; "
+                   "self-instruct requests are the target's own text)",
     }
     old = out / "manifest.json"
     if old.is_file():
@@ -286,6 +296,10 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
             raise ValueError(f"{out} holds data made with other settings or another model; "
                              "use a new folder")
     _distill_rows(model, tokenizer, out, "shard_", rows, config, progress, "self-distillation")
+    if config.self_instruct:
+        rows_si, info = requests
+        _distill_rows(model, tokenizer, out, "shard_s", rows_si, config, progress, "self-instruct answers")
+        manifest["self_instruct"] = info
     if config.passage_prompts:
         first = [p for p in shard_paths(out) if not p.name.startswith("shard_p")]
         texts = [tokenizer.decode(q.tokens[q.prompt_len:].tolist(), skip_special_tokens=True)
@@ -315,7 +329,7 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
     n_shards = (len(rows) + config.shard_size - 1) // config.shard_size
     bar = tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress)
     dev = next(model.parameters()).device
-    salt = 0 if prefix == "shard_" else 7919  # stage 2 samples with other seeds (temperature > 0)
+    salt = {"shard_": 0, "shard_s": 3571}.get(prefix, 7919)  # each stage its own seeds (temperature > 0)
     for s in range(n_shards):
         path = out / f"{prefix}{s:05d}.safetensors"
         group = rows[s * config.shard_size: (s + 1) * config.shard_size]

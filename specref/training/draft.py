@@ -53,6 +53,13 @@ class DraftTrainConfig:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
 
 
+def inverse_map(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(V,) target id -> its index in token_map (the draft id), -1 for ids outside the draft vocabulary."""
+    inv = torch.full((vocab_size,), -1, dtype=torch.long, device=token_map.device)  # (V,)
+    inv[token_map] = torch.arange(token_map.numel(), device=token_map.device)
+    return inv
+
+
 def build_token_map(seqs: Sequence[Seq], vocab_size: int, draft_vocab: int) -> torch.Tensor:
     """The draft_vocab target ids with the most expected occurrences in the responses (sum of p
     over the stored top-k, or plain counts of the response tokens), ties and unseen ids by id."""
@@ -82,8 +89,7 @@ class DraftDistillTask:
         self.module, self.target, self.loss_kind, self.topk = draft, target, loss, topk
         dev = next(draft.parameters()).device
         self.token_map = torch.as_tensor(token_map, dtype=torch.long, device=dev)  # (Vd,)
-        self.inv = torch.full((vocab_size,), -1, dtype=torch.long, device=dev)  # (V,)
-        self.inv[self.token_map] = torch.arange(self.token_map.numel(), device=dev)
+        self.inv = inverse_map(self.token_map, vocab_size)  # (V,)
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]

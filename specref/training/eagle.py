@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..eagle_head import EagleHead, save_eagle
 from ..target import additive_mask
 from .data import Batch, Seq
-from .draft import build_token_map
+from .draft import build_token_map, inverse_map
 from .loop import distilled_run, fit, is_main_process, split_heldout
 
 
@@ -115,8 +115,7 @@ class EagleTask:
     def __init__(self, head: EagleHead, config: EagleTrainConfig = EagleTrainConfig(), seed: int = 0):
         self.module, self.config = head, config
         dev = head.token_map.device
-        self.inv = torch.full((head.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,)
-        self.inv[head.token_map] = torch.arange(head.token_map.numel(), device=dev)
+        self.inv = inverse_map(head.token_map, head.vocab_size)  # (V,) target -> draft id
         self.gen = torch.Generator(device=dev).manual_seed(seed)
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:

@@ -33,7 +33,7 @@ from ..eagle3 import Eagle3Head, save_eagle3
 from ..target import additive_mask
 from ..weights import fingerprint
 from .data import Batch, Seq
-from .draft import build_token_map
+from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, fit, is_main_process
 
 
@@ -80,9 +80,7 @@ class Eagle3Task:
         if not isinstance(head, Eagle3Head):
             raise ValueError(f"head must be an Eagle3Head, got {type(head).__name__}")
         self.module, self.config = head, config
-        dev = head.token_map.device
-        self.inv = torch.full((head.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,) target -> draft id
-        self.inv[head.token_map] = torch.arange(head.token_map.numel(), device=dev)
+        self.inv = inverse_map(head.token_map, head.vocab_size)  # (V,) target -> draft id
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return self.module.trainable()

@@ -297,7 +297,8 @@ def distilled_run(data_cfg, out, data, device, default_name: str):
     <default_name>), the default target frozen, its self-distilled data (made or resumed in `data`,
     default <out>/data). -> (out, target, tokenizer, manifest, sequences, seconds spent on data)."""
     from ..models import cache_root, load_default
-    from .data import distill, iter_sequences
+    from .data import iter_sequences
+    from .self_instruct import distill
 
     out = Path(out) if out else cache_root() / "train" / default_name
     data = Path(data) if data else out / "data"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,7 +29,7 @@ from ..medusa_heads import MedusaHeads, measure_heads_cost, save_medusa
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
-from .draft import build_token_map
+from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, fit
 
 
@@ -66,9 +65,7 @@ class MedusaTask:
 
     def __init__(self, heads: MedusaHeads, config: MedusaTrainConfig = MedusaTrainConfig()):
         self.module, self.config = heads, config
-        dev = heads.token_map.device
-        self.inv = torch.full((heads.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,) target -> draft id
-        self.inv[heads.token_map] = torch.arange(heads.token_map.numel(), device=dev)
+        self.inv = inverse_map(heads.token_map, heads.vocab_size)  # (V,) target -> draft id
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return self.module.trainable()

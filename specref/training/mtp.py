@@ -30,7 +30,7 @@ from ..mtp import MTPStack, save_mtp
 from ..target import additive_mask
 from ..weights import fingerprint
 from .data import Batch, Seq
-from .draft import build_token_map
+from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout
 
 
@@ -61,9 +61,7 @@ class MTPTask:
         if not isinstance(stack, MTPStack):
             raise ValueError(f"stack must be an MTPStack, got {type(stack).__name__}")
         self.module, self.config = stack, config
-        dev = stack.token_map.device
-        self.inv = torch.full((stack.vocab_size,), -1, dtype=torch.long, device=dev)  # (V,) target -> draft id
-        self.inv[stack.token_map] = torch.arange(stack.token_map.numel(), device=dev)
+        self.inv = inverse_map(stack.token_map, stack.vocab_size)  # (V,) target -> draft id
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return self.module.trainable()

@@ -1,0 +1,128 @@
+"""Does a proposer's training data transfer? Teacher-forced agreement on the target's own answers.
+
+A head's held-out agreement measures it on text like its training text; what pays is agreement on
+what the target writes when it serves real prompts. So (issue 16's measure (b)): the target answers
+the first turn of every evaluation question (greedy, through the chat template, batched, with
+data._distill_rows: the same code that makes the training data), its top-k log-probs stored at
+every answer position; then each head is scored teacher-forced on those sequences with its own
+TrainTask's `evaluate`, exactly as on its held-out training positions. top1 = how often the
+head's argmax is the target's argmax given the true context: the greedy acceptance rate of a first
+draft token. Reported per category and over all positions.
+
+The answers are evaluation data: measured on, never trained on (their folder is separate from
+every training folder). Run: `python -m specref.training.transfer --eagle OLD.safetensors
+NEW.safetensors --draft OLD.safetensors NEW.safetensors --answers FOLDER`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .data import DistillConfig, Seq, _distill_rows, iter_sequences
+from .loop import TrainConfig, evaluate
+
+
+def answers(model, tokenizer, folder, question_file=None, max_new_tokens: int = 128, batch_size: int = 64,
+            topk: int = 32, progress: bool = True) -> Tuple[List[Seq], List[str]]:
+    """The target's greedy answers to the first turn of every question (made once, then read back)
+    -> (sequences with stored top-k, their categories)."""
+    from ..bench.runner import find_question_file, load_questions
+
+    rows = load_questions(find_question_file(question_file), None, None)
+    instr = [{"id": i, "category": r["category"], "instruction": r["turns"][0]} for i, r in enumerate(rows)]
+    cfg = DistillConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, topk=topk, temperature=0.0)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    _distill_rows(model, tokenizer, out, "shard_", instr, cfg, progress, "target answers")
+    seqs = list(iter_sequences(out))
+    if len(seqs) != len(instr):
+        raise ValueError(f"{out} holds {len(seqs)} answers for {len(instr)} questions: use a new folder")
+    return seqs, [r["category"] for r in instr]
+
+
+def per_category(task, seqs: Sequence[Seq], cats: Sequence[str], batch_size: int = 8,
+                 max_len: int = 1024) -> Dict[str, Dict[str, float]]:
+    """{category or "all": {"top1", "accept", "positions"}} of `task` (a TrainTask) on `seqs`."""
+    cfg = TrainConfig(batch_size=batch_size, max_len=max_len)
+    res = {}
+    for c in sorted(set(cats)) + ["all"]:
+        part = [s for s, k in zip(seqs, cats) if c == "all" or k == c]
+        m = evaluate(task, part, cfg)
+        res[c] = {"top1": m["top1"], "accept": m["accept"],
+                  "positions": sum(min(len(s.tokens), max_len) - s.prompt_len for s in part)}
+    return res
+
+
+def eagle_task(target, path):
+    from ..eagle_head import eagle_info, load_eagle
+    from .eagle import EagleTask
+
+    return EagleTask(load_eagle(target, path)), eagle_info(path)["record"]
+
+
+def draft_task(target, path):
+    from ..draft_model import load_trained_draft, trained_draft_info
+    from .draft import DraftDistillTask
+
+    draft, token_map = load_trained_draft(target, path)
+    return DraftDistillTask(draft, token_map, target.get_output_embeddings().weight.shape[0]), \
+        trained_draft_info(path)["record"]
+
+
+def to_markdown(results: Dict[str, dict]) -> str:
+    """One row per head: held-out training top-1 (its record), then top-1 per category and all."""
+    cats = sorted({c for r in results.values() for c in r["categories"] if c != "all"})
+    lines = ["| head | held-out (a) | " + " | ".join(cats) + " | all (b) | (a) - (b) |",
+             "|---|---|" + "---|" * len(cats) + "---|---|"]
+    for name, r in results.items():
+        a = r.get("heldout_top1")
+        b = r["categories"]["all"]["top1"]
+        cells = [f"{r['categories'][c]['top1']:.3f}" for c in cats]
+        lines.append(f"| {name} | {'n/a' if a is None else f'{a:.3f}'} | " + " | ".join(cells) +
+                     f" | {b:.3f} | {'n/a' if a is None else f'{a - b:+.3f}'} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specref.training.transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--eagle", nargs="*", default=[], help="EAGLE-1 head files")
+    ap.add_argument("--draft", nargs="*", default=[], help="trained draft files")
+    ap.add_argument("--answers", required=True, help="folder of the target's answers (made on first use)")
+    ap.add_argument("--question-file", default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--gen-batch-size", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args(argv)
+    if not a.eagle and not a.draft:
+        raise ValueError("pass at least one head: --eagle FILE ... and/or --draft FILE ...")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from ..models import load_default
+    from .eagle import attach_features
+
+    target, tok = load_default()
+    for q in target.parameters():
+        q.requires_grad_(False)
+    seqs, cats = answers(target, tok, a.answers, a.question_file, a.max_new_tokens, a.gen_batch_size)
+    if a.eagle:
+        with torch.no_grad():
+            attach_features(target, seqs)
+    results = {}
+    for kind, paths, make in (("eagle", a.eagle, eagle_task), ("draft", a.draft, draft_task)):
+        for p in paths:
+            task, record = make(target, p)
+            results[f"{kind} {p}"] = {"heldout_top1": (record.get("heldout") or {}).get("heldout_top1"),
+                                      "categories": per_category(task, seqs, cats)}
+    print(to_markdown(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Tests of training/self_instruct.py: the user-turn prefix, the filters, resumption, the stage in distill."""
+import json
+
+import pytest
+
+from specref.models import tiny_model
+from specref.training import self_instruct as si
+from specref.training.corpus import word_ngrams
+
+
+class _Tok:
+    """A stand-in tokenizer: ids are bytes + 2 (0 pad, 1 end of turn), a visible chat template."""
+    eos_token_id = 1
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, return_dict=False):
+        text = "".join(f"<{m['role'][0]}>{m['content']}<e>" for m in messages) + ("<a>" if add_generation_prompt else "")
+        if tokenize:
+            return {"input_ids": self(text[-60:])["input_ids"]}
+        return text
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 + b % 94 for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids if i > 1)
+
+
+def _model():
+    m = tiny_model("llama", vocab_size=96, num_layers=1, seed=0, init_std=0.2, logit_scale=2.0)
+    m.generation_config.eos_token_id = 1
+    return m
+
+
+def test_user_prefix_cuts_at_the_users_text():
+    tok = _Tok()
+    ids = si.user_prefix(tok, "The user asks a riddle.")
+    assert ids == tok("<s>The user asks a riddle.<e><u>")["input_ids"]
+
+    class Hiding(_Tok):
+        def apply_chat_template(self, messages, **kw):
+            return "<u>[redacted]<e>"
+
+    with pytest.raises(ValueError, match="verbatim"):
+        si.user_prefix(Hiding(), "x")
+
+
+def test_hints_cover_every_kind_and_are_deterministic():
+    h = si.hints(2 * len(si.KINDS), seed=1)
+    assert [c for c, _ in h[: len(si.KINDS)]] == sorted(si.KINDS)
+    assert all(any(x in text for x in si.KINDS[c]) and "The topic is" in text for c, text in h)
+    assert si.hints(30, seed=1)[:5] == h[:5] and si.hints(30, seed=2) != si.hints(30, seed=1)
+
+
+def test_requests_are_filtered_and_resume(tmp_path):
+    model, tok = _model(), _Tok()
+    cfg = si.SelfInstructConfig(num_requests=6, max_new_tokens=48, batch_size=8, chunk=16, min_chars=12)
+    rows = si.write_requests(model, tok, tmp_path / "a", cfg, progress=False)
+    counts = si.filter_counts(tmp_path / "a")
+    kept = sum(len(json.loads(p.read_text())["rows"]) for p in sorted((tmp_path / "a").glob("requests_*.json")))
+    assert len(rows) == 6 and kept >= 6
+    assert counts["sampled"] == counts["truncated"] + counts["short"] + counts["duplicate"] + counts["dev_overlap"] + kept
+    assert counts["truncated"] > 0  # a random model often runs past 48 tokens: those are dropped, not cut
+    assert len({r["instruction"] for r in rows}) == 6 and all(len(r["instruction"]) >= 12 for r in rows)
+    assert all(r["category"].startswith("self_") for r in rows)
+    # resuming: the chunks written stay as they are, more requests only add chunks
+    stamps = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "a").glob("requests_*.json")}
+    more = si.write_requests(model, tok, tmp_path / "a", si.SelfInstructConfig(
+        num_requests=kept + 3, max_new_tokens=48, batch_size=8, chunk=16, min_chars=12), progress=False)
+    assert more[:6] == rows and len(more) == kept + 3
+    assert all((tmp_path / "a" / n).stat().st_mtime_ns == t for n, t in stamps.items())
+    # the development split's 13-grams: a request sharing one is dropped and counted
+    grams = word_ngrams(rows[0]["instruction"])
+    assert grams  # long enough to hold a 13-gram
+    again = si.write_requests(model, tok, tmp_path / "b", cfg, dev_grams=grams, progress=False)
+    assert rows[0]["instruction"] not in [r["instruction"] for r in again]
+    assert si.filter_counts(tmp_path / "b")["dev_overlap"] >= 1 and si.filter_counts(tmp_path / "b")["dev_checked"]
+
+
+def test_distill_answers_the_requests(tmp_path):
+    from specref.training.data import DistillConfig, iter_sequences, shard_paths
+    from specref.training.self_instruct import distill
+
+    model, tok = _model(), _Tok()
+    inst = tmp_path / "inst.jsonl"
+    inst.write_text("".join(json.dumps({"id": i, "category": "qa", "instruction": f"question {i}?"}) + "\n"
+                            for i in range(3)))
+    cfg = DistillConfig(max_new_tokens=20, batch_size=8, shard_size=4, topk=4, self_instruct=5)
+    with pytest.raises(ValueError, match="self_instruct"):
+        DistillConfig(self_instruct=-1)
+    from specref.training import data
+    with pytest.raises(ValueError, match="self_instruct.distill"):  # the requests are not made there
+        data.distill(model, tok, tmp_path / "x", cfg, instructions_path=inst, progress=False)
+    man = distill(model, tok, tmp_path / "d", cfg, instructions_path=inst, progress=False)
+    names = [p.name for p in shard_paths(tmp_path / "d")]
+    assert names == ["shard_00000.safetensors", "shard_s00000.safetensors", "shard_s00001.safetensors"]
+    assert man["self_instruct"]["requests"] == 5 and sum(man["self_instruct"]["per_category"].values()) == 5
+    seqs = list(iter_sequences(tmp_path / "d"))
+    assert len(seqs) == 8 and all(q.topk_ids is not None for q in seqs)
+    req = [r for p in sorted((tmp_path / "d").glob("requests_*.json")) for r in json.loads(p.read_text())["rows"]][:5]
+    # each self-instruct sequence's prompt is its request through the chat template
+    prompts = sorted(tuple(q.tokens[: q.prompt_len].tolist()) for q in seqs[3:])
+    want = sorted(tuple(tok.apply_chat_template([{"role": "user", "content": r["instruction"]}], tokenize=True,
+                                                add_generation_prompt=True, return_dict=True)["input_ids"]) for r in req)
+    assert prompts == want
