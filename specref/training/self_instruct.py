@@ -178,6 +178,10 @@ def write_requests(model, tokenizer, out_dir, cfg: SelfInstructConfig = SelfInst
                     seen.add(key)
                     fresh.append({"id": 200000 + len(rows) + len(fresh), "category": "self_" + cat,
                                   "instruction": text})
+        if not fresh and counts["truncated"] == counts["sampled"]:
+            raise ValueError(f"none of {counts['sampled']} sampled requests ended with the end-of-turn token "
+                             f"{eos} within {cfg.max_new_tokens} tokens: raise max_new_tokens or check the "
+                             "model's generation_config.eos_token_id")
         path = out / f"requests_{c:05d}.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"counts": counts, "rows": fresh}, indent=0))

@@ -103,3 +103,18 @@ def test_distill_answers_the_requests(tmp_path):
     want = sorted(tuple(tok.apply_chat_template([{"role": "user", "content": r["instruction"]}], tokenize=True,
                                                 add_generation_prompt=True, return_dict=True)["input_ids"]) for r in req)
     assert prompts == want
+
+
+
+def test_a_model_that_never_ends_a_request_is_refused(tmp_path, monkeypatch):
+    import specref.generate
+
+    class Out:  # every sampled request runs to max_new_tokens without the end-of-turn token
+        def row(self, j):
+            return [5, 6, 7]
+
+    monkeypatch.setattr(specref.generate, "autoregressive_generate", lambda *a, **k: Out())
+    cfg = si.SelfInstructConfig(num_requests=2, max_new_tokens=3, batch_size=8, chunk=8)
+    with pytest.raises(ValueError, match="end-of-turn"):
+        si.write_requests(_model(), _Tok(), tmp_path, cfg, progress=False)
+    assert not list(tmp_path.glob("requests_*.json"))  # nothing half-written
