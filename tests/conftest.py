@@ -3,8 +3,9 @@
 Tiny models spend their time in thread synchronisation, not arithmetic: one intra-op thread is
 ~10x faster for them on a loaded 2-core machine, and keeps runs comparable. Override with
 SPECREF_TEST_THREADS. The whole-loop statistical tests (marker `two_threads`: tens of thousands of
-rows per batch) take SPECREF_TEST_BIG_THREADS (2: measured 35-40% faster each). tests/test_models.py
-runs first (see pytest_collection_modifyitems). The tests mirror the package: tests/oracle/,
+rows per batch) take SPECREF_TEST_BIG_THREADS (2: measured 35-40% faster each when the suite runs in
+one process; 1 under pytest-xdist, whose two workers already fill the two cores: the README runs
+`pytest -n 2`). tests/test_models.py runs first (see pytest_collection_modifyitems). The tests mirror the package: tests/oracle/,
 tests/training/, tests/bench/, tests/backends/ beside the core and method tests; their file names
 are unique (pytest's default import mode) and the shared helper _stats.py is importable from every
 folder.
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for `import _stats`
 
 torch.set_num_threads(int(os.environ.get("SPECREF_TEST_THREADS", "1")))
-BIG_THREADS = int(os.environ.get("SPECREF_TEST_BIG_THREADS", "2"))
+BIG_THREADS = int(os.environ.get("SPECREF_TEST_BIG_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"))
 FIRST = "test_models.py"  # its default-model tests convert the GGUF first and seed the cache (below)
 
 
