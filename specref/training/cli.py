@@ -1,7 +1,7 @@
 """`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads or MTP modules.
 
 The command line over training/data.py (self-distilled data), training/store.py (the feature
-store: `--method medusa` and `mtp` train on it), training/loop.py (the shared loop),
+store: `--method medusa`, `mtp`, `eagle3` train on one or more stores, `eagle` with `--store`), training/loop.py (the shared loop),
 training/draft.py, eagle.py, medusa.py and mtp.py (the trained proposers) and training/evaluate.py
 (`--measure-only`, `--eval`).
 """
@@ -30,8 +30,10 @@ def train_main(argv=None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled steps of the training-time test "
                     "(1: teacher forcing only)")
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
-    ap.add_argument("--store", default=None, help="medusa, mtp: the feature store folder (default: <specref "
-                    "cache>/store; mtp with --data: a self-distilled folder instead)")
+    ap.add_argument("--store", nargs="+", default=None, help="medusa, mtp, eagle3: feature store folders, trained "
+                    "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
+                    "eagle: train on these stores (`python -m specref data [--distilled FOLDER]`) instead of a "
+                    "self-distilled folder")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
     ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
     ap.add_argument("--seed", type=int, default=0)
@@ -103,6 +105,8 @@ def train_main(argv=None) -> int:
                                out=a.out, data=a.data, device=a.device, export=a.export)
     if a.method == "mtp":
         return _mtp(a, train_cfg)
+    if a.method == "eagle" and a.store:
+        return _eagle_store(a, train_cfg)
     if a.method == "eagle":
         return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
                                                                         w_reg=a.w_reg),
@@ -119,17 +123,18 @@ def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
     from pathlib import Path
 
     from ..models import cache_root, load_default
-    from .store import read_store_manifest, store_split
+    from .store import read_store_manifest, stores_split
 
-    store = Path(a.store) if a.store else cache_root() / "store"
-    man = read_store_manifest(store)
+    stores = [Path(x) for x in a.store] if a.store else [cache_root() / "store"]
+    mans = [read_store_manifest(x) for x in stores]  # each must be a store (ValueError otherwise)
     target, _ = load_default(device=a.device)
     for q in target.parameters():
         q.requires_grad_(False)
-    train, held = store_split(store, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
+    train, held = stores_split(stores, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
     out = Path(a.out) if a.out else cache_root() / "train" / f"{name}_seed{a.seed}"
     out.mkdir(parents=True, exist_ok=True)
-    rec = {"store": str(store), "manifest": {k: man.get(k) for k in ("model_fingerprint", "settings", "sources")},
+    rec = {"store": [str(x) for x in stores],
+           "manifest": [{k: m.get(k) for k in ("model_fingerprint", "settings", "sources")} for m in mans],
            "train_tokens": int(sum(len(s.tokens) for s in train)), "heldout_tokens": int(sum(len(s.tokens) for s in held))}
     return target, train, held, out, rec
 
@@ -151,6 +156,18 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec)
     _export(out / "medusa.safetensors", a.export)
+    return 0
+
+
+def _eagle_store(a, train_cfg: TrainConfig) -> int:
+    """The EAGLE-1 head of the default model on a feature store (its final-layer features)."""
+    from .eagle import run_eagle_store_training
+
+    cfg = EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls, w_reg=a.w_reg)
+    target, train, held, out, rec = _from_store(a, "eagle_store", cfg.heldout_fraction)
+    run_eagle_store_training(target, train, held, train_cfg, cfg, out / "eagle.safetensors", run_dir=out,
+                             data_record=rec)
+    _export(out / "eagle.safetensors", a.export)
     return 0
 
 

@@ -12,6 +12,9 @@ Held-out metrics: top1 (the head's argmax = the target's argmax of p_{t+2}, give
 greedy acceptance of the first draft token), accept (sum_x min(p, q) over p's stored top-k) and
 top1_step2 (the second draft token, fed the head's own predicted features at EVERY earlier
 position: a pessimistic stand-in for drafting, where only the drafted positions are predicted).
+Data: a self-distilled folder (`run_eagle_training`: features computed here) or feature stores
+(`run_eagle_store_training`, `python -m specref train --method eagle --store A B ...`: features
+scored once by store.py, real text and self-distilled answers alike).
 Left out: EAGLE-3's training-time test (unrolled drafting inside training).
 """
 from __future__ import annotations
@@ -182,6 +185,28 @@ class EagleTask:
 
 
 # ----------------------------------------------------------------------------- one command
+
+
+def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
+                             train_cfg, eagle_cfg: EagleTrainConfig, out_path, *, run_dir=None,
+                             data_record: Optional[dict] = None) -> dict:
+    """Train the EAGLE-1 head on sequences that carry features (a feature store's, store.py: real
+    text, self-distilled answers, or both), save it to out_path. -> record."""
+    V = target.get_output_embeddings().weight.shape[0]
+    head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
+    result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), list(train), list(heldout), train_cfg,
+                 out_dir=run_dir)
+    final = result.history[-1] if result.history else {}
+    record = {"data": data_record or {}, "train": asdict(train_cfg), "eagle": asdict(eagle_cfg),
+              "train_seconds": result.seconds,
+              "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
+              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history}
+    if is_main_process():
+        from ..weights import fingerprint
+
+        save_eagle(out_path, head, fingerprint(target), record)
+        print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))
+    return record
 
 
 def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=None, data=None,

@@ -263,6 +263,22 @@ def store_split(folder, layers: Sequence[Layer] = ("final",), heldout_fraction: 
     return train, held
 
 
+def stores_split(folders: Sequence, layers: Sequence[Layer] = ("final",), heldout_fraction: float = 0.02,
+                 seed: int = 0) -> Tuple[List[Seq], List[Seq]]:
+    """(train, heldout) of several stores together (each split as store_split), in folder order;
+    ValueError if they were scored by different models or hold features of different widths."""
+    fps = {str(f): read_store_manifest(f).get("model_fingerprint") for f in folders}
+    if len(set(fps.values())) > 1:
+        raise ValueError(f"these stores were scored by different models: {fps}")
+    train, held = [], []
+    for f in folders:
+        t, h = store_split(f, layers, heldout_fraction, seed)
+        train, held = train + t, held + h
+    if len({s.features.shape[-1] for s in train + held if s.features is not None}) > 1:
+        raise ValueError(f"the stores {list(fps)} hold features of different widths")
+    return train, held
+
+
 def read_store_manifest(folder) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.is_file():
@@ -377,7 +393,8 @@ def data_main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="store folder (default: <specref cache>/store)")
     ap.add_argument("--tokens", type=int, default=StoreConfig.tokens, help="scored tokens to reach")
-    ap.add_argument("--sources", nargs="+", default=list(corpus.SOURCES), choices=list(corpus.SOURCES))
+    ap.add_argument("--sources", nargs="*", default=list(corpus.SOURCES), choices=list(corpus.SOURCES),
+                    help="corpora to score (none: only --distilled)")
     ap.add_argument("--distilled", default=None, help="also a self-distilled data folder (data.distill)")
     ap.add_argument("--layers", nargs="+", default=["final"], help="'final' and/or hidden_states indices")
     ap.add_argument("--max-len", type=int, default=StoreConfig.max_len)
@@ -391,6 +408,8 @@ def data_main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shard after this long")
     a = ap.parse_args(argv)
+    if not a.sources and not a.distilled:
+        raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")
     if a.threads:
         torch.set_num_threads(a.threads)
     layers = tuple(x if x == "final" else int(x) for x in a.layers)

@@ -46,14 +46,16 @@ def answers(model, tokenizer, folder, question_file=None, max_new_tokens: int = 
 
 def per_category(task, seqs: Sequence[Seq], cats: Sequence[str], batch_size: int = 8,
                  max_len: int = 1024) -> Dict[str, Dict[str, float]]:
-    """{category or "all": {"top1", "accept", "positions"}} of `task` (a TrainTask) on `seqs`."""
+    """{category or "all": {"top1", "accept", "positions"[, "coverage"]}} of `task` (a TrainTask) on `seqs`."""
     cfg = TrainConfig(batch_size=batch_size, max_len=max_len)
     res = {}
     for c in sorted(set(cats)) + ["all"]:
         part = [s for s, k in zip(seqs, cats) if c == "all" or k == c]
         m = evaluate(task, part, cfg)
         res[c] = {"top1": m["top1"], "accept": m["accept"],
-                  "positions": sum(min(len(s.tokens), max_len) - s.prompt_len for s in part)}
+                  "positions": sum(max(min(len(s.tokens), max_len) - s.prompt_len, 0) for s in part)}
+        if "coverage" in m:  # the target's argmax inside the head's draft vocabulary: top1's ceiling
+            res[c]["coverage"] = m["coverage"]
     return res
 
 

@@ -11,7 +11,7 @@ from specref.training import corpus, store
 from specref.training.corpus import Doc, Source, encode, overlap_filter, token_source, word_ngrams
 from specref.training.data import Seq
 from specref.training.store import (StoreConfig, build_store, iter_store, pack, read_store_shard, store_shards,
-                                    store_split, write_store_shard)
+                                    store_split, stores_split, write_store_shard)
 
 V = 64
 
@@ -114,9 +114,10 @@ def test_resume_skips_finished_shards(tmp_path, monkeypatch):
 
 def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     from specref.draft_model import build_draft
-    from specref.eagle_head import EagleHead
+    from specref.eagle_head import eagle_info, load_eagle
+    from specref.training.data import collate
     from specref.training.draft import DraftDistillTask, build_token_map
-    from specref.training.eagle import EagleTask
+    from specref.training.eagle import EagleTask, EagleTrainConfig, run_eagle_store_training
     from specref.training.loop import TrainConfig, fit
 
     target = _target()
@@ -133,11 +134,32 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     res = fit(draft, train, held, tcfg, progress=False, log=lambda s: None)
     first, last = res.history[0], res.history[-1]
     assert last["heldout_loss"] < first["heldout_loss"] - 0.05, (first, last)
-    head = EagleHead(target, build_token_map(train, V, V), seed=0)
-    res = fit(EagleTask(head), train, held, replace(tcfg, steps=20, eval_every=20),
-              progress=False, log=lambda s: None)
-    first, last = res.history[0], res.history[-1]
+    # EAGLE-1 on the store, through the command's function (`train --method eagle --store`)
+    rec = run_eagle_store_training(target, train, held, replace(tcfg, steps=20, eval_every=20),
+                                   EagleTrainConfig(draft_vocab=V), tmp_path / "eagle.safetensors")
+    first, last = rec["history"][0], rec["history"][-1]
     assert last["heldout_reg"] < first["heldout_reg"] and last["heldout_accept"] > first["heldout_accept"]
+    head = load_eagle(target, tmp_path / "eagle.safetensors")
+    assert eagle_info(tmp_path / "eagle.safetensors")["record"]["heldout"]["heldout_top1"] == last["heldout_top1"]
+    assert EagleTask(head).evaluate(collate(held[:4], 48))["count"] > 0
+
+
+def test_several_stores_train_together(tmp_path):
+    from specref.models import tiny_model
+
+    target, cfg = _target(), replace(CFG, layers=("final",))
+    build_store(target, None, _sources(40, seed=1), tmp_path / "a", cfg, progress=False)
+    build_store(target, None, _sources(40, seed=2), tmp_path / "b", cfg, progress=False)
+    both = stores_split([tmp_path / "a", tmp_path / "b"], heldout_fraction=0.2)
+    parts = [store_split(tmp_path / x, heldout_fraction=0.2) for x in "ab"]
+    for j in (0, 1):  # train, heldout: a's then b's, each split as alone
+        want = parts[0][j] + parts[1][j]
+        assert len(both[j]) == len(want) and all(x.tokens.equal(y.tokens) and x.features.equal(y.features)
+                                                 for x, y in zip(both[j], want))
+    other = tiny_model("llama", vocab_size=V, num_layers=2, seed=4)
+    build_store(other, None, _sources(40, seed=3), tmp_path / "c", cfg, progress=False)
+    with pytest.raises(ValueError, match="different models"):
+        stores_split([tmp_path / "a", tmp_path / "c"])
 
 
 def test_overlap_filter_removes_a_document_quoting_a_dev_question():

@@ -22,6 +22,7 @@ def test_per_category_splits_the_heldout_evaluation():
     assert res["all"]["top1"] == pytest.approx(mean)  # position-weighted
     only_b = evaluate(task, [s for s, c in zip(seqs, cats) if c == "b"], TrainConfig(batch_size=4))
     assert res["b"]["top1"] == pytest.approx(only_b["top1"])
+    assert res["b"]["coverage"] == pytest.approx(only_b["coverage"])
     table = to_markdown({"old": {"heldout_top1": 0.5, "categories": res}, "new": {"heldout_top1": None,
                                                                                "categories": res}})
     assert table.count("\n") == 3 and "| old | 0.500 |" in table and "| new | n/a |" in table
