@@ -32,8 +32,8 @@ def train_main(argv=None) -> int:
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
     ap.add_argument("--store", nargs="+", default=None, help="medusa, mtp, eagle3: feature store folders, trained "
                     "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
-                    "eagle: train on these stores (`python -m specref data [--distilled FOLDER]`) instead of a "
-                    "self-distilled folder")
+                    "eagle, draft: train on these stores (`python -m specref data [--distilled FOLDER]`) instead "
+                    "of a self-distilled folder")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
     ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
     ap.add_argument("--seed", type=int, default=0)
@@ -112,6 +112,8 @@ def train_main(argv=None) -> int:
                                                                         w_reg=a.w_reg),
                                   out=a.out, data=a.data, device=a.device, export=a.export)
     draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
+    if a.store:
+        return _draft_store(a, train_cfg, draft_cfg)
     return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
                         export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
                         eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
@@ -156,6 +158,17 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec)
     _export(out / "medusa.safetensors", a.export)
+    return 0
+
+
+def _draft_store(a, train_cfg: TrainConfig, cfg: DraftTrainConfig) -> int:
+    """The trained draft of the default model on feature stores (their stored top-k)."""
+    from .draft import run_draft_store_training
+
+    target, train, held, out, rec = _from_store(a, "draft_store", cfg.heldout_fraction, layers=())
+    run_draft_store_training(target, train, held, train_cfg, cfg, out / "draft.safetensors", run_dir=out,
+                             data_record=rec)
+    _export(out / "draft.safetensors", a.export)
     return 0
 
 

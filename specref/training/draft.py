@@ -133,6 +133,28 @@ class DraftDistillTask:
 # ----------------------------------------------------------------------------- one command
 
 
+def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq], train_cfg,
+                             draft_cfg: DraftTrainConfig, out_path, *, run_dir=None,
+                             data_record: Optional[dict] = None) -> dict:
+    """Train the reduced-vocabulary draft on feature-store sequences (their stored top-k; the
+    features are not needed: read the stores with layers=()), save it to out_path. -> record."""
+    from ..weights import fingerprint
+
+    V = target.get_output_embeddings().weight.shape[0]
+    token_map = build_token_map(train, V, draft_cfg.draft_vocab)
+    draft = build_draft(target, draft_cfg.num_layers, token_map)
+    task = DraftDistillTask(draft, token_map, V, draft_cfg.loss)  # the stored top-k only
+    result = fit(task, list(train), list(heldout), train_cfg, out_dir=run_dir)
+    final = result.history[-1] if result.history else {}
+    record = {"data": data_record or {}, "train": asdict(train_cfg), "draft": asdict(draft_cfg),
+              "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
+              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history}
+    if is_main_process():
+        save_draft(out_path, draft, token_map, fingerprint(target), record)
+        print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))
+    return record
+
+
 def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, data=None,
                  device="cpu", export=None, evaluate_after=False, eval_per_category=2,
                  eval_max_new_tokens=128, k=None) -> int:

@@ -113,12 +113,12 @@ def test_resume_skips_finished_shards(tmp_path, monkeypatch):
 
 
 def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
-    from specref.draft_model import build_draft
+    from specref.draft_model import load_trained_draft
     from specref.eagle_head import eagle_info, load_eagle
     from specref.training.data import collate
-    from specref.training.draft import DraftDistillTask, build_token_map
+    from specref.training.draft import DraftDistillTask, DraftTrainConfig, run_draft_store_training
     from specref.training.eagle import EagleTask, EagleTrainConfig, run_eagle_store_training
-    from specref.training.loop import TrainConfig, fit
+    from specref.training.loop import TrainConfig
 
     target = _target()
     cfg = replace(CFG, tokens=3000, layers=("final",))
@@ -129,11 +129,17 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     assert sum(1 for _ in iter_store(tmp_path, split="heldout", heldout_fraction=0.2)) == len(held)
     tcfg = TrainConfig(steps=40, batch_size=8, lr=3e-3, warmup_steps=4, eval_every=40, max_len=48, seed=0)
     torch.manual_seed(0)
-    token_map = build_token_map(train, V, 48)
-    draft = DraftDistillTask(build_draft(target, 1, token_map), token_map, V, "kl")  # stored top-k only
-    res = fit(draft, train, held, tcfg, progress=False, log=lambda s: None)
-    first, last = res.history[0], res.history[-1]
+    # the draft on the store's stored top-k, through the command's function (`train --store`), read
+    # without features as the command reads it
+    lean = store_split(tmp_path, layers=(), heldout_fraction=0.2, seed=0)
+    assert lean[0][0].features is None and lean[0][0].topk_ids.equal(train[0].topk_ids)
+    rec = run_draft_store_training(target, *lean, tcfg, DraftTrainConfig(num_layers=1, draft_vocab=48),
+                                   tmp_path / "draft.safetensors")
+    first, last = rec["history"][0], rec["history"][-1]
     assert last["heldout_loss"] < first["heldout_loss"] - 0.05, (first, last)
+    draft, token_map = load_trained_draft(target, tmp_path / "draft.safetensors")
+    again = DraftDistillTask(draft, token_map, V, "kl").evaluate(collate(held, 48))
+    assert again["loss"] / again["count"] == pytest.approx(last["heldout_loss"], rel=1e-2)  # fp16 file
     # EAGLE-1 on the store, through the command's function (`train --method eagle --store`)
     rec = run_eagle_store_training(target, train, held, replace(tcfg, steps=20, eval_every=20),
                                    EagleTrainConfig(draft_vocab=V), tmp_path / "eagle.safetensors")
