@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from .registry import WEIGHT_KINDS, weights_item
+
 DEMO_TEXT = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
     "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
@@ -32,7 +34,6 @@ DEMO_TEXT = (
 DEMO_PROMPT = "Summarize the following text in three sentences, reusing its wording:\n\n" + DEMO_TEXT
 OPEN_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 COMPARE_METHODS = "ar,ngram,eagle,hybrid,medusa"
-WEIGHT_KINDS = ("draft", "eagle", "medusa", "mtp")
 
 
 def _chat_ids(tokenizer, prompt: str) -> torch.Tensor:
@@ -302,16 +303,6 @@ def _method_list(s: str) -> list:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _weights_item(s: str) -> tuple:
-    """KIND=PATH with KIND one of WEIGHT_KINDS and PATH an existing file."""
-    kind, eq, path = s.partition("=")
-    if not eq or kind not in WEIGHT_KINDS or not path:
-        raise argparse.ArgumentTypeError(f"expected KIND=PATH with KIND one of {', '.join(WEIGHT_KINDS)}, got {s!r}")
-    if not os.path.exists(path):
-        raise argparse.ArgumentTypeError(f"{kind} weights file {path!r} does not exist")
-    return kind, path
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("oracle", "bench", "train", "data"):  # subcommands with their own parsers
@@ -346,7 +337,7 @@ def main(argv=None) -> int:
                    "picker's choice for this prompt (default ngram)")
     g.add_argument("--draft", default=None, help="instead of --method (older option): ngram | "
                    "truncated[:L] | a local draft model folder")
-    g.add_argument("--weights", type=_weights_item, action="append", metavar="KIND=PATH",
+    g.add_argument("--weights", type=weights_item, action="append", metavar="KIND=PATH",
                    help="trained weights for a model that is not the default one, KIND one of "
                    f"{', '.join(WEIGHT_KINDS)} (repeatable), e.g. eagle=/path/eagle.safetensors")
     g.add_argument("--k", type=int, default=None,
@@ -366,7 +357,7 @@ def main(argv=None) -> int:
                     "'tiny': a random test model")
     pk.add_argument("--methods", type=_method_list, default=None, help="comma-separated candidates "
                     "(default: every lossless method the model has)")
-    pk.add_argument("--weights", type=_weights_item, action="append", metavar="KIND=PATH",
+    pk.add_argument("--weights", type=weights_item, action="append", metavar="KIND=PATH",
                     help="trained weights for a model that is not the default one (as for generate)")
     pk.add_argument("--temperature", type=float, default=0.0)
     pk.add_argument("--batch-size", type=int, default=1)

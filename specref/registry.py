@@ -51,6 +51,22 @@ def check_method(name: str) -> str:
     return name
 
 
+WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "mtp")  # the learned proposers' weight files
+
+
+def weights_item(s: str) -> tuple:
+    """argparse type of `--weights KIND=PATH`: KIND one of WEIGHT_KINDS, PATH an existing file."""
+    import argparse
+    import os
+
+    kind, eq, path = s.partition("=")
+    if not eq or kind not in WEIGHT_KINDS or not path:
+        raise argparse.ArgumentTypeError(f"expected KIND=PATH with KIND one of {', '.join(WEIGHT_KINDS)}, got {s!r}")
+    if not os.path.exists(path):
+        raise argparse.ArgumentTypeError(f"{kind} weights file {path!r} does not exist")
+    return kind, path
+
+
 class Registry:
     """Builds each method's proposer for one target; weights loaded and costs measured once.
 
@@ -68,7 +84,7 @@ class Registry:
         self.model, self.kind, self.draft_k, self.lookahead = model, kind, draft_k, tuple(lookahead)
         self.target = target if target is not None else Target(model)
         self.weights = dict(weights or {})
-        bad = [k for k in self.weights if k not in ("draft", "eagle", "eagle3", "medusa", "mtp")]
+        bad = [k for k in self.weights if k not in WEIGHT_KINDS]
         if bad:
             raise ValueError(f"weights keys must be draft, eagle, eagle3, medusa or mtp, got {bad}")
         self.V = int(model.get_output_embeddings().weight.shape[0])

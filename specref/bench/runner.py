@@ -79,6 +79,7 @@ class BenchConfig:
     progress: bool = True
     pick: bool = False  # also run the picker's calibration (picker.py) and compare it with the bench
     pick_tokens: int = 56  # greedy: new tokens of the real answer each method is replayed on
+    weights: tuple = ()  # ((kind, path), ...): trained weights instead of the committed ones (registry.py)
 
 
 # ----------------------------------------------------------------------------- questions
@@ -190,7 +191,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     from ..registry import Registry
 
     reg = Registry(model, target, kind="tiny" if cfg.model == "tiny" else "default" if cfg.model == "default"
-                   else "custom", draft_k=cfg.draft_k, lookahead=cfg.lookahead)
+                   else "custom", draft_k=cfg.draft_k, lookahead=cfg.lookahead, weights=dict(cfg.weights))
     methods, skipped = build_methods(cfg, model, eos, target, registry=reg)
     prompts = [torch.tensor([encode(q["turns"][0])], device=dev) for q in questions]  # (1, T) each
     slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
@@ -267,6 +268,7 @@ def _split(values: Optional[List[str]]) -> Optional[tuple]:
 def bench_main(argv=None) -> int:
     """Entry point of `python -m specref bench`. Returns 0, or 1 when a specref method's greedy
     output differed from the baseline (a bug)."""
+    from ..registry import weights_item
     from .report import write_outputs
 
     ap = argparse.ArgumentParser(prog="python -m specref bench", description=__doc__,
@@ -290,6 +292,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"),
                     help="Markdown file whose bench section is replaced ('none': skip)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--weights", type=weights_item, action="append", default=[], metavar="KIND=PATH",
+                    help="trained weights instead of the committed ones (repeatable), e.g. eagle=/path/eagle.safetensors;"
+                    " needed for the learned methods of a --model that is not the default one")
     ap.add_argument("--pick", action="store_true", help="also calibrate the picker (picker.py) on the same "
                     "prompts and methods, and write predicted against measured to <out>/picker.{md,json,png}")
     ap.add_argument("--pick-tokens", type=int, default=56, help="picker: new tokens of the real answer per prompt")
@@ -309,6 +314,8 @@ def bench_main(argv=None) -> int:
         raise ValueError(f"--temperature must be >= 0, got {a.temperature}")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
+    if a.weights and a.model == "tiny":
+        raise ValueError("--weights does not apply to --model tiny (its learned methods use untrained heads)")
     if a.threads:
         torch.set_num_threads(a.threads)
     methods = _split(a.methods) or ALL_METHODS
@@ -322,7 +329,7 @@ def bench_main(argv=None) -> int:
                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
                       compile=a.compile, dtype=a.dtype, question_file=a.question_file, model=a.model,
                       draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
-                      pick=a.pick, pick_tokens=a.pick_tokens)
+                      pick=a.pick, pick_tokens=a.pick_tokens, weights=tuple(a.weights))
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
     command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)

@@ -84,6 +84,10 @@ def test_bad_arguments(qfile):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--methods", "medusa9"])
     with pytest.raises(ValueError, match="--questions"):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "zero"])
+    with pytest.raises(ValueError, match="--weights does not apply"):
+        bench_main(["--model", "tiny", "--question-file", str(qfile), "--weights", f"eagle={qfile}"])
+    with pytest.raises(SystemExit):  # argparse: KIND=PATH with an existing file
+        bench_main(["--question-file", str(qfile), "--weights", "eagle=/no/such/file"])
 
 
 def test_batch_bench_end_to_end(qfile, tmp_path):
