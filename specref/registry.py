@@ -86,7 +86,7 @@ class Registry:
         self.weights = dict(weights or {})
         bad = [k for k in self.weights if k not in WEIGHT_KINDS]
         if bad:
-            raise ValueError(f"weights keys must be draft, eagle, eagle3, medusa or mtp, got {bad}")
+            raise ValueError(f"weights keys must be one of {', '.join(WEIGHT_KINDS)}, got {bad}")
         self.V = int(model.get_output_embeddings().weight.shape[0])
         if isinstance(cost_reps, bool) or not isinstance(cost_reps, int) or cost_reps < 1:
             raise ValueError(f"cost_reps must be an int >= 1, got {cost_reps!r}")

@@ -11,8 +11,11 @@ are unique (pytest's default import mode) and the shared helper _stats.py is imp
 folder.
 """
 import os
+import random
 import sys
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +36,18 @@ def pytest_collection_modifyitems(session, config, items):
     offline into a temporary cache and then seeds the user's cache with it when that is empty (a
     fresh CI machine), so the GGUF is converted once per run, not twice (~40 s each)."""
     items.sort(key=lambda item: 0 if item.path.name == FIRST else 1)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test starts from global RNG states that depend on its own id only (crc32, not the
+    per-process salted hash()), so a test that draws from torch's, numpy's or random's global
+    generator sees the same numbers whichever pytest-xdist worker runs it and whatever ran before."""
+    s = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+    yield
 
 
 @pytest.fixture(autouse=True)

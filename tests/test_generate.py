@@ -1,4 +1,6 @@
 """The whole loop: greedy parity, lossless sampling (chi-square vs exact), batch independence, errors."""
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -160,7 +162,7 @@ def test_whole_loop_lossless(case):
     prop = DraftModelProposer(draft, DraftModelConfig(k=k, greedy_draft=greedy_draft))
     out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L,
                                temperature=temperature, top_k=top_k, top_p=top_p,
-                               generator=torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31))
+                               generator=torch.Generator().manual_seed(zlib.crc32(repr(case).encode())))  # not hash(): salted per process
     res = oracle.chi_square_gof(_joint_counts(out, V, L), exact)
     assert 0.3 < out.stats.acceptance_rate < 0.95  # the draft is neither useless nor the target
     assert res.p_value > ALPHA, res

@@ -1,9 +1,9 @@
 """`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads or MTP modules.
 
-The command line over training/data.py (self-distilled data), training/store.py (the feature
-store: `--method medusa`, `mtp`, `eagle3` train on one or more stores, `eagle` with `--store`), training/loop.py (the shared loop),
-training/draft.py, eagle.py, medusa.py and mtp.py (the trained proposers) and training/evaluate.py
-(`--measure-only`, `--eval`).
+The command line over training/data.py (self-distilled data), training/store.py (feature stores:
+`--method medusa`, `mtp`, `eagle3` train on one or more, `eagle` and `draft` with `--store`),
+training/loop.py (the shared loop), training/draft.py, eagle.py, medusa.py and mtp.py (the trained
+proposers) and training/evaluate.py (`--measure-only`, `--eval`).
 """
 from __future__ import annotations
 

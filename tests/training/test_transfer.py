@@ -23,6 +23,8 @@ def test_per_category_splits_the_heldout_evaluation():
     only_b = evaluate(task, [s for s, c in zip(seqs, cats) if c == "b"], TrainConfig(batch_size=4))
     assert res["b"]["top1"] == pytest.approx(only_b["top1"])
     assert res["b"]["coverage"] == pytest.approx(only_b["coverage"])
+    cut = per_category(task, seqs[:2], ["a", "a"], batch_size=4, max_len=3)  # prompts (4 tokens) longer than max_len
+    assert cut["a"]["positions"] == 0 and cut["a"]["top1"] == 0
     table = to_markdown({"old": {"heldout_top1": 0.5, "categories": res}, "new": {"heldout_top1": None,
                                                                                "categories": res}})
     assert table.count("\n") == 3 and "| old | 0.500 |" in table and "| new | n/a |" in table
