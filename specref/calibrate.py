@@ -1,12 +1,16 @@
 """The picker's measurements (picker.py predicts from them): a short calibration on the user's prompts.
 
-Greedy, batch 1 (`Replay`): per prompt ONE real answer of `replay_tokens` new tokens by a fast
-lossless method (n-gram, else EAGLE: the greedy answer is the target's whatever the method), with
-the target's features captured; a few real autoregressive steps (the target's one-token forward
-t_1 and the loop's time per step at this context); then every candidate method REPLAYED on that
+Greedy, batch 1 (`Replay`): per prompt a few real autoregressive steps (the target's one-token
+forward t_1 and the loop's time per step at this context), then ONE real answer by a fast lossless
+method (n-gram, else EAGLE: the greedy answer is the target's whatever the method) for as long as
+`replay_tokens` autoregressive steps would take (transformers' max_time; at most max_new_tokens
+tokens), with the target's features captured: the answer is long where the lead decodes fast,
+which is where prompt lookup matches more as the answer goes on (a copy-heavy prompt's later
+tokens decide its speed-up); then every candidate method REPLAYED on that
 answer: its own loop runs for real (proposer, acceptance, rollback) against a stand-in target that
 puts all mass on the answer's next token and returns the recorded features, so the method's
-acceptance is measured over the whole answer at the cost of its proposer alone. A step's verify
+acceptance is measured on the answer at the cost of its proposer alone (each replay for at most
+`REPLAY_SHARE` of the answer's time: the lookups cover all of it, a learned draft its start). A step's verify
 forward is priced by the real loop's own forwards: every verify of the real answer and of a few
 real autoregressive steps is timed, and `fit_verify_curve` fits seconds = t_1(prompt) v(W) to them
 (alternating medians; widths never seen keep the shape of costs.measure_verify_cost's curve, scaled),
@@ -50,8 +54,9 @@ class PickerConfig:
     batch_size: int = 1  # rows per generate call of the workload
     max_new_tokens: int = 128  # new tokens per request of the workload (what is predicted)
     calib_tokens: int = 12  # new tokens per measured window (T > 0, batch > 1, lookahead)
-    replay_tokens: int = 56  # greedy, batch 1: new tokens of the one real answer per prompt that
-    # every method is replayed on
+    replay_tokens: int = 56  # greedy, batch 1: the one real answer per prompt that every method is
+    # replayed on runs for as long as this many autoregressive steps take (at most max_new_tokens
+    # tokens): a prompt the lead method decodes fast gets a longer answer
     max_prompts: Optional[int] = None  # most prompts sampled (None: as many as budget_s allows)
     budget_s: Optional[float] = 60.0  # calibration time bound (None: every prompt); at least one
     min_gain: float = 0.05  # speculate only where the predicted speed-up is at least 1 + min_gain
@@ -474,10 +479,18 @@ def fit_verify_curve(points: Dict[int, List[tuple]], prior: List[float], rounds:
     return t1, ratio
 
 
+# A replay's cost is its proposer's alone: prompt lookup replays a whole answer in a fraction of a
+# target forward, a learned draft pays a forward of its own per drafted token. Each replay stops
+# after this share of the answer's time budget, so the lookups see the whole answer (where their
+# matches grow) and the learned drafts, whose acceptance does not grow along the answer, its start.
+REPLAY_SHARE = 1 / 6
+
+
 def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) -> None:
-    """Greedy, batch 1: per prompt ONE real generation of replay_tokens new tokens by a fast lossless
-    method (its features captured), a few real autoregressive steps, then every method replayed on
-    that answer (Replay): its acceptance over the whole answer at the cost of its proposer alone.
+    """Greedy, batch 1: per prompt 2 real autoregressive steps (t_ar), ONE real generation by a fast
+    lossless method for the time of replay_tokens autoregressive steps (its features captured),
+    then every method replayed on that answer (Replay) for at most REPLAY_SHARE of that time: its
+    acceptance on the answer at the cost of its proposer alone.
     Every real verify forward is timed: fit_verify_curve turns them into the target's one-token
     forward t1 at each prompt's context and the verify-cost curve v(W) of the real loop, which
     price the replayed steps. Lookahead reads the target's logits on its own window, so it runs
@@ -502,16 +515,22 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
         points[j] = log = []
         timed = shared.wrap()
         _clock(timed, log)
+        # the prompt's prefill (shared by every run below) and 2 real autoregressive steps: t_ar here
+        ar = autoregressive_generate(timed, ids, max_new_tokens=2, temperature=0.0, timing=True, seed=config.seed)
+        prefill_s = ar.stats.prefill_time
+        t_ar = (ar.stats.wall_time - prefill_s) / max(ar.stats.target_forwards, 1)
+        # the real answer, for as long as replay_tokens autoregressive steps take: a prompt the lead
+        # decodes fast (one that copies) gets more tokens, and with them the later part of its
+        # answer, where prompt lookup matches more
         lp = reg.proposer(lead)
-        cap = Capture(lp, shared.hidden_layers, len(prompt) + config.replay_tokens + 2, D, target.dtype, dev) \
+        N = config.max_new_tokens
+        cap = Capture(lp, shared.hidden_layers, len(prompt) + N + 2, D, target.dtype, dev) \
             if shared.hidden_layers is not None else None
-        out = speculative_generate(timed, cap or lp, ids, max_new_tokens=config.replay_tokens, temperature=0.0,
-                                   timing=True, seed=config.seed)
+        out = speculative_generate(timed, cap or lp, ids, max_new_tokens=N, max_time=config.replay_tokens * t_ar,
+                                   temperature=0.0, timing=True, seed=config.seed)
         y = out.row(0)
-        prefill_s = out.stats.prefill_time
         z = torch.tensor(prompt + y, device=dev)  # (P + n,)
         feats = cap.feats[: z.shape[0] - 1] if cap is not None else None
-        autoregressive_generate(timed, ids, max_new_tokens=2, temperature=0.0, timing=True, seed=config.seed)
         for m in ["ar"] + names:
             p = _Timed(reg.proposer(m)) if m != "ar" else None
             if m == "lookahead":
@@ -522,11 +541,13 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
                            step_s=max(s.wall_time - s.prefill_time - p.begin_s, 1e-9) / max(s.target_forwards, 1))
             else:
                 rp = Replay(target, z, feats, shared.hidden_layers)
-                o = (autoregressive_generate(rp, ids, max_new_tokens=len(y), temperature=0.0, timing=True)
+                cap_s = REPLAY_SHARE * config.replay_tokens * t_ar  # equal time per method, not tokens
+                o = (autoregressive_generate(rp, ids, max_new_tokens=len(y), temperature=0.0, timing=True,
+                                             max_time=cap_s)
                      if p is None else speculative_generate(rp, p.proposer, ids, max_new_tokens=len(y),
-                                                            temperature=0.0, timing=True))
+                                                            temperature=0.0, timing=True, max_time=cap_s))
                 s = o.stats
-                if o.row(0) != y:
+                if o.row(0) != y[: len(o.row(0))]:
                     raise RuntimeError(f"replay of {m} left the trajectory (a bug in the picker's replay)")
                 begin = p.begin_s if p is not None else 0.0
                 rec = dict(mode="replay", widths=list(rp.widths), run_prefill_s=0.0,

@@ -247,7 +247,8 @@ def speculative_generate(
     a row stops where transformers' StopStringCriteria stops, even inside an accepted run.
     streamer: a transformers streamer (batch 1), fed the prompt and then each step's committed
     tokens. return_sequences: also return `sequences`, prompt + new tokens padded with pad_token_id
-    as model.generate returns them.
+    as model.generate returns them. max_time (transformers' MaxTimeCriteria): no step starts once
+    the call has run max_time seconds (prefill included); the rows end where they are.
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats[, sequences]).
     """
     # validation at the boundary (checks.py): every argument before any allocation or forward
@@ -401,6 +402,8 @@ def speculative_generate(
                 ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
             proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
             step_no += 1
+            if cfg.max_time is not None and time.perf_counter() - t_start > cfg.max_time:
+                break  # transformers' MaxTimeCriteria: checked after each step
     counters.fill(stats)
     if streamer is not None:
         streamer.end()

@@ -7,9 +7,10 @@ specref's settings, once, before the loop starts:
   passed, the model's own `generation_config` (as transformers does), specref's defaults. A field
   that is unset everywhere takes specref's default, not transformers' global one: sampling at T=1
   with top-k off (transformers' unset do_sample means greedy and its top_k 50); pass
-  do_sample=False or temperature=0 for greedy. Every setting specref does not implement (beam
-  search, num_return_sequences > 1, contrastive search, typical_p, ...) is a ValueError naming it,
-  never silently ignored.
+  do_sample=False or temperature=0 for greedy. `max_time` is transformers' MaxTimeCriteria, on
+  the host clock after each step (on CUDA the host runs at most one step ahead of the device).
+  Every setting specref does not implement (beam search, num_return_sequences > 1, contrastive
+  search, typical_p, ...) is a ValueError naming it, never silently ignored.
 - `StopStrings`: transformers' own `StopStringCriteria`, asked about every prefix of an accepted
   run, so a row stops exactly where `model.generate(stop_strings=...)` stops on the same text, even
   in the middle of a run of accepted drafts.
@@ -37,7 +38,7 @@ UNSET: Any = _Unset()
 
 IMPLEMENTED = {"max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
                "pad_token_id", "repetition_penalty", "no_repeat_ngram_size", "min_new_tokens",
-               "bad_words_ids", "stop_strings"}
+               "bad_words_ids", "stop_strings", "max_time"}
 # read and ignored: they change nothing about the tokens a decoder-only sampler returns
 HARMLESS = {"bos_token_id", "decoder_start_token_id", "use_cache", "output_attentions", "output_hidden_states",
             "transformers_version", "_from_model_config", "cache_implementation", "cache_config", "max_cache_len",
@@ -64,6 +65,7 @@ class Settings:
     pad_token_id: Optional[int]
     procs: processors.Processors
     stop_strings: Optional[List[str]]
+    max_time: Optional[float] = None  # seconds: no step starts after the call has run this long
 
 
 def _config_values(cfg) -> Dict[str, Any]:
@@ -139,9 +141,14 @@ def resolve(model, generation_config, kwargs: Dict[str, Any], *, temperature, to
         stops = [stops]
     if stops is not None and (not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops)):
         raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
+    max_time = values.get("max_time")
+    if max_time is not None:
+        max_time = checks.as_float(max_time, "max_time")
+        if not max_time > 0:
+            raise ValueError(f"max_time must be > 0 seconds, got {max_time!r}")
     return Settings(temp, checks.as_int(values.get("top_k", 0), "top_k"),
                     checks.as_float(values.get("top_p", 1.0), "top_p"), mnt, ml, eos, pad, procs,
-                    list(stops) if stops else None)
+                    list(stops) if stops else None, max_time)
 
 
 class StopStrings:

@@ -87,6 +87,26 @@ def test_bad_generation_arguments(tiny):
         autoregressive_generate(tiny, ids, max_new_tokens=4, repetition_penalty=-1.0)
 
 
+def test_max_time_ends_the_call_after_the_step_that_passes_it(tiny):
+    """transformers' max_time (MaxTimeCriteria): no step starts once the call has run that long."""
+    ids, mask = _prompts(V, [5, 9], seed=0)
+    greedy = autoregressive_generate(tiny, ids, mask, max_new_tokens=12, temperature=0)
+    one = autoregressive_generate(tiny, ids, mask, max_new_tokens=12, temperature=0, max_time=1e-9)
+    assert one.num_tokens.tolist() == [1, 1] and one.stats.target_forwards == 1  # one step, then the clock
+    assert one.row(0) == greedy.row(0)[:1] and one.row(1) == greedy.row(1)[:1]
+    prop = NgramProposer(NgramConfig(k=4, min_n=1))
+    spec = speculative_generate(tiny, prop, ids, mask, max_new_tokens=12, temperature=0, max_time=1e-9)
+    assert spec.stats.target_forwards == 1
+    assert all(spec.row(b) == greedy.row(b)[: len(spec.row(b))] for b in range(2))
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=12, max_time=1e-9)  # from a config too
+    assert autoregressive_generate(tiny, ids, mask, generation_config=cfg).stats.target_forwards == 1
+    long = autoregressive_generate(tiny, ids, mask, max_new_tokens=12, temperature=0, max_time=3600.0)
+    assert torch.equal(long.tokens, greedy.tokens)
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="max_time"):
+            autoregressive_generate(tiny, ids, mask, max_new_tokens=4, max_time=bad)
+
+
 def test_sequences_as_model_generate_returns_them(tiny):
     ids, mask = _prompts(V, [4, 10, 7], seed=2)
     free = autoregressive_generate(tiny, ids, mask, max_new_tokens=12, temperature=0)

@@ -166,6 +166,25 @@ def test_calibrate_and_recommend_end_to_end(tiny):
         assert set(picker.predict(cal)) == {"ar", "ngram", "eagle"}
 
 
+def test_answer_and_replays_are_bounded_by_time_not_tokens(tiny, monkeypatch):
+    """The real answer runs for replay_tokens autoregressive steps' time (at most max_new_tokens
+    tokens) and each replay for a share of that: with an unbounded budget every run covers
+    max_new_tokens, with a vanishing replay share every replay stops after its first step and is
+    still counted on the answer's prefix (no timing is asserted: only the two limits)."""
+    import specref.calibrate as calib
+
+    model, reg = tiny
+    methods = ("ngram", "eagle", "draft", "hybrid")
+    cfg = dict(methods=methods, max_new_tokens=20, budget_s=None, progress=False)
+    full = calibrate(model, PROMPTS, picker.PickerConfig(replay_tokens=10**9, **cfg), reg)
+    assert {r["tokens"] for r in full.records if r["method"] != "lookahead"} == {20}
+    monkeypatch.setattr(calib, "REPLAY_SHARE", 1e-12)
+    short = calibrate(model, PROMPTS, picker.PickerConfig(replay_tokens=10**9, **cfg), reg)
+    assert {r["steps"] for r in short.records} == {1}  # one step, then the clock
+    assert all(1 <= r["tokens"] < 20 for r in short.records)
+    assert set(picker.predict(short)) == {"ar", *methods}
+
+
 def test_bad_input(tiny):
     model, reg = tiny
     with pytest.raises(ValueError, match="at least one prompt"):
