@@ -531,6 +531,7 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
         y = out.row(0)
         z = torch.tensor(prompt + y, device=dev)  # (P + n,)
         feats = cap.feats[: z.shape[0] - 1] if cap is not None else None
+        cap_s = REPLAY_SHARE * config.replay_tokens * t_ar  # each replay's time: equal per method, not tokens
         for m in ["ar"] + names:
             p = _Timed(reg.proposer(m)) if m != "ar" else None
             if m == "lookahead":
@@ -541,7 +542,6 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
                            step_s=max(s.wall_time - s.prefill_time - p.begin_s, 1e-9) / max(s.target_forwards, 1))
             else:
                 rp = Replay(target, z, feats, shared.hidden_layers)
-                cap_s = REPLAY_SHARE * config.replay_tokens * t_ar  # equal time per method, not tokens
                 o = (autoregressive_generate(rp, ids, max_new_tokens=len(y), temperature=0.0, timing=True,
                                              max_time=cap_s)
                      if p is None else speculative_generate(rp, p.proposer, ids, max_new_tokens=len(y),
