@@ -20,6 +20,7 @@ from specref.sampling import SamplingConfig
 from specref.training.draft import build_token_map
 from specref.training.loop import TrainConfig, fit, split_heldout
 from specref.training.medusa import MedusaTask, MedusaTrainConfig, rank_accuracies
+from specref.training.transfer import per_category
 from specref.typical import TypicalAcceptance, verify_tree_typical
 
 V = 16
@@ -53,6 +54,19 @@ def test_training_lowers_every_heads_loss(trained):
     assert a1[:, 0].mean() > a0[:, 0].mean() + 0.02, (a0, a1)  # from the identity heads' start
     assert a1[0, 0] > a1[2, 0], a1  # the nearer position is the easier one
     assert np.allclose(a1.sum(1) <= 1 + 1e-9, True)  # per-rank hits of one argmax: a distribution's part
+
+
+def test_transfer_measure_scores_every_head(trained):
+    """training/transfer.py on Medusa heads: head k's top-1 (over its own label positions) is the
+    training's held-out rank-0 accuracy a_k(0), per category and overall."""
+    target, heads, hist = trained
+    _, held = split_heldout(_data(target, 160), 0.2, seed=0)  # the fixture's held-out part
+    cats = ["a", "b"] * (len(held) // 2)
+    res = per_category(MedusaTask(heads, MedusaTrainConfig(ranks=4)), held[:len(cats)], cats, batch_size=16)
+    whole = per_category(MedusaTask(heads, MedusaTrainConfig(ranks=4)), held, ["x"] * len(held), batch_size=16)
+    assert whole["all"]["top1_by_depth"] == pytest.approx(rank_accuracies(hist[-1], 3, 4)[:, 0].tolist())
+    assert res["all"]["top1"] == res["all"]["top1_by_depth"][0] and res["all"]["accept"] is None
+    assert len(res["a"]["top1_by_depth"]) == 3 and res["a"]["top1_by_depth"] != res["b"]["top1_by_depth"]
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -61,6 +61,22 @@ def test_training_lowers_heldout_loss_and_writes_weights(trained):
         load_mtp(tiny_model("llama", vocab_size=V, seed=3, num_heads=2, num_kv_heads=1), path)
 
 
+def test_transfer_measure_scores_every_depth(trained):
+    """training/transfer.py on MTP modules: module d's top-1 is the training's held-out top1_d; the
+    file's record gives the held-out depth-1 number the table prints as (a)."""
+    from specref.training.transfer import mtp_task, per_category
+
+    target, stack, hist, path = trained
+    _, held = split_heldout(_data(target, 160), 0.2, seed=0)  # the fixture's held-out part
+    res = per_category(MTPTask(stack), held, ["x"] * len(held), batch_size=16)
+    last = hist[-1]
+    assert res["all"]["top1_by_depth"] == pytest.approx([last["heldout_top1_1"], last["heldout_top1_2"]])
+    assert res["all"]["top1"] == pytest.approx(last["heldout_top1"]) and res["all"]["accept"] == pytest.approx(
+        last["heldout_accept_1"])
+    task, record = mtp_task(target, path)
+    assert record["heldout"]["heldout_top1"] == last["heldout_top1"] and task.module.num_modules == 2
+
+
 def test_module_is_the_reports_formula(trained):
     """Module d by hand: h' = eh_proj [enorm(Emb(t_{i+d})); hnorm(h^{d-1}_i)] (the released weights'
     order), h^d = block(h'), logits = the shared LM head rows token_map over shared_head.norm(h^d)."""

@@ -7,11 +7,13 @@ data._distill_rows: the same code that makes the training data), its top-k log-p
 every answer position; then each head is scored teacher-forced on those sequences with its own
 TrainTask's `evaluate`, exactly as on its held-out training positions. top1 = how often the
 head's argmax is the target's argmax given the true context: the greedy acceptance rate of a first
-draft token. Reported per category and over all positions.
+draft token. Reported per category and over all positions; for heads that draft several tokens
+from one context (Medusa's head k: token t+k+1; MTP's module d: token t+d+1, the modules before it
+teacher-forced) also per head / depth, `top1_by_depth`.
 
 The answers are evaluation data: measured on, never trained on (their folder is separate from
 every training folder). Run: `python -m specref.training.transfer --eagle OLD.safetensors
-NEW.safetensors --draft OLD.safetensors NEW.safetensors --answers FOLDER`.
+NEW.safetensors --draft OLD.safetensors NEW.safetensors --medusa FILE --mtp FILE --answers FOLDER`.
 """
 from __future__ import annotations
 
@@ -44,15 +46,33 @@ def answers(model, tokenizer, folder, question_file=None, max_new_tokens: int = 
     return seqs, [r["category"] for r in instr]
 
 
+def top1_by_depth(m: Dict[str, float]) -> List[float]:
+    """Top-1 agreement per drafted position from a task's evaluate() means: MTP's top1_d, Medusa's
+    head k (h{k}_r0 over h{k}_n: each head has its own label positions); else [top1]."""
+    if "h1_n" in m:  # MedusaTask
+        k = 1
+        out = []
+        while f"h{k}_n" in m:
+            out.append(m[f"h{k}_r0"] / m[f"h{k}_n"] if m[f"h{k}_n"] > 0 else 0.0)
+            k += 1
+        return out
+    if "top1_1" in m:  # MTPTask
+        return [m[f"top1_{d}"] for d in range(1, sum(key.startswith("top1_") for key in m) + 1)]
+    return [m.get("top1", 0.0)]
+
+
 def per_category(task, seqs: Sequence[Seq], cats: Sequence[str], batch_size: int = 8,
                  max_len: int = 1024) -> Dict[str, Dict[str, float]]:
-    """{category or "all": {"top1", "accept", "positions"[, "coverage"]}} of `task` (a TrainTask) on `seqs`."""
+    """{category or "all": {"top1", "accept", "top1_by_depth", "positions"[, "coverage"]}} of `task`
+    (a TrainTask) on `seqs`; top1 is the first drafted position's (Medusa: head 1; accept None
+    where the task measures no sum min(p, q))."""
     cfg = TrainConfig(batch_size=batch_size, max_len=max_len)
     res = {}
     for c in sorted(set(cats)) + ["all"]:
         part = [s for s, k in zip(seqs, cats) if c == "all" or k == c]
         m = evaluate(task, part, cfg)
-        res[c] = {"top1": m["top1"], "accept": m["accept"],
+        depths = top1_by_depth(m)
+        res[c] = {"top1": depths[0], "accept": m.get("accept"), "top1_by_depth": depths,
                   "positions": sum(max(min(len(s.tokens), max_len) - s.prompt_len, 0) for s in part)}
         if "coverage" in m:  # the target's argmax inside the head's draft vocabulary: top1's ceiling
             res[c]["coverage"] = m["coverage"]
@@ -75,6 +95,21 @@ def draft_task(target, path):
         trained_draft_info(path)["record"]
 
 
+def medusa_task(target, path):
+    from ..medusa_heads import load_medusa, medusa_info
+    from .medusa import MedusaTask
+
+    record = medusa_info(path)["record"]
+    return MedusaTask(load_medusa(target, path)), {"heldout": {"heldout_top1": (record.get("heldout_top1") or [None])[0]}}
+
+
+def mtp_task(target, path):
+    from ..mtp import load_mtp, mtp_info
+    from .mtp import MTPTask
+
+    return MTPTask(load_mtp(target, path)), mtp_info(path)["record"]
+
+
 def to_markdown(results: Dict[str, dict]) -> str:
     """One row per head: held-out training top-1 (its record), then top-1 per category and all."""
     cats = sorted({c for r in results.values() for c in r["categories"] if c != "all"})
@@ -93,6 +128,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specref.training.transfer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--eagle", nargs="*", default=[], help="EAGLE-1 head files")
     ap.add_argument("--draft", nargs="*", default=[], help="trained draft files")
+    ap.add_argument("--medusa", nargs="*", default=[], help="Medusa heads files")
+    ap.add_argument("--mtp", nargs="*", default=[], help="MTP modules files")
     ap.add_argument("--answers", required=True, help="folder of the target's answers (made on first use)")
     ap.add_argument("--question-file", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -100,8 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    if not a.eagle and not a.draft:
-        raise ValueError("pass at least one head: --eagle FILE ... and/or --draft FILE ...")
+    if not (a.eagle or a.draft or a.medusa or a.mtp):
+        raise ValueError("pass at least one head: --eagle / --draft / --medusa / --mtp FILE ...")
     if a.threads:
         torch.set_num_threads(a.threads)
     from ..models import load_default
@@ -111,11 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for q in target.parameters():
         q.requires_grad_(False)
     seqs, cats = answers(target, tok, a.answers, a.question_file, a.max_new_tokens, a.gen_batch_size)
-    if a.eagle:
+    if a.eagle or a.medusa or a.mtp:  # heads that read the target's final normed states
         with torch.no_grad():
             attach_features(target, seqs)
     results = {}
-    for kind, paths, make in (("eagle", a.eagle, eagle_task), ("draft", a.draft, draft_task)):
+    for kind, paths, make in (("eagle", a.eagle, eagle_task), ("draft", a.draft, draft_task),
+                              ("medusa", a.medusa, medusa_task), ("mtp", a.mtp, mtp_task)):
         for p in paths:
             task, record = make(target, p)
             results[f"{kind} {p}"] = {"heldout_top1": (record.get("heldout") or {}).get("heldout_top1"),
