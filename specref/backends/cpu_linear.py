@@ -17,7 +17,10 @@ the next outermost `active()`. One-row inputs use the packed kernel too: on the 
 shapes it reads the weights faster than MKL's gemv (30 layers of linears + LM head, 2 threads:
 61 vs 77 ms median), and its rows are bit-for-bit independent of how many rows are computed
 together (checked for M = 1, 2, 11), so a token scored alone (autoregressive decoding) and the
-same token scored inside a verify block get the same linear outputs. Results differ from
+same token scored inside a verify block get the same linear outputs. That held for every M on AVX2
+machines; on AVX-512 (AMD Zen 4) one-row products with K = 1536 took another kernel, so each layer
+is probed when packed and, where a row alone differs, a one-row input is computed as a block of two
+(which measured no slower there: 57 vs 78 us for the 1536 x 576 layer). Results differ from
 `F.linear`'s by fp32 rounding (the summation order differs). A layer shared by two models
 (`truncated_draft`) is packed once per model and stays swapped in while either packing is active.
 Used by target.py on CPU (TargetConfig.pack_linears). Left out: bf16/fp16 weights (fp32 only),
@@ -53,12 +56,28 @@ def tensor_version(t) -> tuple:
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Linear, int]" = weakref.WeakKeyDictionary()
 
 
-def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias):
+def _one_row_differs(weight: torch.Tensor, bias, n_in: int) -> bool:
+    """True if the packed kernel gives a row alone other bits than the same row inside a block.
+
+    oneDNN picks its kernel per shape and CPU: on AVX-512 (AMD Zen 4) a one-row product with
+    K = 1536 (the default model's down projection) takes a path whose summation order differs from
+    the two-or-more-row path, while on AVX2 machines every M agreed. Probed once per layer."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, n_in, generator=g)  # (3, in)
+    linear = torch.ops.mkldnn._linear_pointwise
+    block = linear(x, weight, bias, "none", [], "")  # (3, out)
+    return not torch.equal(linear(x[:1], weight, bias, "none", [], ""), block[:1])
+
+
+def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias, pad_one_row: bool):
     linear = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
         if torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad):
             return nn.functional.linear(x, m.weight, m.bias)  # autograd: the packed op has no backward
+        if pad_one_row and x.numel() == x.shape[-1]:  # one row: computed as a block of two so that
+            two = x.reshape(1, -1).expand(2, -1)        # it takes the block kernel (same bits as in a
+            return linear(two, weight, bias, "none", [], "")[:1].reshape(*x.shape[:-1], -1)  # verify)
         return linear(x, weight, bias, "none", [], "")
     return forward
 
@@ -91,7 +110,9 @@ class PackedLinears:
     def _pack(self, m: nn.Linear) -> None:
         w = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
         b = None if m.bias is None else m.bias.detach()
-        self._forwards[m] = _packed_forward(m, w, b)
+        with torch.no_grad():
+            pad = _one_row_differs(w, b, m.in_features)
+        self._forwards[m] = _packed_forward(m, w, b, pad)
         self._versions[m] = self._version_of(m)
 
     @staticmethod
