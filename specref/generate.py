@@ -460,7 +460,8 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
         anc_blk[:, 1 + N:] = draft.aux.mask.to(dev)
         dep_blk = torch.cat([dep_blk, draft.aux.depth.to(dev)], dim=1)  # (B, Q)
         block = torch.cat([block, draft.aux.tokens.to(dev)], dim=1)  # (B, Q)
-    out = tgt.verify_tree(cache, block, anc_blk, dep_blk, hidden_layers=hidden_layers, committed_max=committed_max)
+    out = tgt.verify_tree(cache, block, anc_blk, dep_blk, hidden_layers=hidden_layers, committed_max=committed_max,
+                          pad_to=1 + k + E)  # compile: every tree of <= k nodes in one graph
     logits = out.logits  # (B, Q, V)
     if E:
         observe = getattr(proposer, "observe", None)

@@ -10,7 +10,7 @@ Every forward here passes explicit position ids and a 4D additive attention mask
 over the static cache, so rows of different lengths share one batch without padding tokens
 inside the cache, and stale slots beyond a row's committed length are never read. Eager forwards
 attend only the cache's used prefix (slots up to the highest one any row writes); compiled ones
-the whole cache (static shapes). On CPU, fp32 linears run with weights pre-packed for oneDNN
+the whole cache (static shapes). On CPU, fp32 (and bf16 where oneDNN supports it) linears run with weights pre-packed for oneDNN
 (backends/cpu_linear.py), so a block of k+1 tokens costs little more than one token.
 
 Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
@@ -46,9 +46,9 @@ class TargetConfig:
     # chain blocks are padded to k+1 (generate.py), so two graphs (1 and k+1 tokens) serve every
     # step. On CPU the weights are frozen into the graph (inductor freezing): to change them, build
     # a new Target (a changed weight raises ValueError at the next generation)
-    pack_linears: Optional[bool] = None  # CPU fp32: run linears with weights pre-packed for oneDNN
+    pack_linears: Optional[bool] = None  # CPU fp32 (bf16 where supported): run linears with weights pre-packed for oneDNN
     # (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
-    # it applies (CPU, fp32 linears, no compile); True requires it to apply
+    # it applies (CPU, fp32 or supported bf16 linears, no compile); True requires it to apply
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
 
@@ -137,7 +137,7 @@ class Target:
                 raise ValueError("pack_linears and compile are exclusive (inductor packs its own weights)")
             self.packed = PackedLinears.of(model)
             if config.pack_linears and not len(self.packed):
-                raise ValueError(f"pack_linears=True but {name} has no fp32 CPU nn.Linear layers")
+                raise ValueError(f"pack_linears=True but {name} has no CPU nn.Linear layers in a dtype oneDNN packs here")
         self._forward = self._eager_forward
         self._frozen = None  # weight versions a CPU compile froze into its graphs
         if config.compile:
@@ -267,14 +267,27 @@ class Target:
 
     def verify_tree(self, cache: SpecCache, block: torch.Tensor, ancestors: torch.Tensor,
                     depth: torch.Tensor, hidden_layers: Optional[tuple] = None,
-                    committed_max: Optional[int] = None) -> BlockOutput:
+                    committed_max: Optional[int] = None, pad_to: Optional[int] = None) -> BlockOutput:
         """Score a tree block (B, 1+N) = [root, node_1..node_N] in one forward.
 
         ancestors (B, 1+N, 1+N) bool: block position i may attend block position j (j == i or an
         ancestor; the root is everyone's ancestor). depth (B, 1+N): 0 for the root.
         committed_max: the longest row's committed length if the caller knows it (no device read).
+        pad_to: with compile=True a tree of 1+N < pad_to positions is padded to pad_to (static
+        shapes: one compiled graph for every tree up to the proposer's node budget). A padding node
+        attends the committed prefix and itself only, no real node attends it, its logits are
+        dropped and its slot lies beyond what the commit keeps.
         """
         Q = block.shape[1]
+        if self.config.compile and pad_to is not None and pad_to > Q > 1:
+            B, P = block.shape[0], pad_to - Q
+            block = torch.cat([block, block.new_zeros(B, P)], dim=1)  # (B, pad_to)
+            anc = torch.zeros(B, pad_to, pad_to, dtype=torch.bool, device=ancestors.device)  # (B, pad_to, pad_to)
+            anc[:, :Q, :Q] = ancestors
+            anc[:, Q:, Q:] = torch.eye(P, dtype=torch.bool, device=ancestors.device)
+            depth = torch.cat([depth, depth.new_ones(B, P)], dim=1)  # (B, pad_to)
+            out = self.verify_tree(cache, block, anc, depth, hidden_layers, committed_max)
+            return BlockOutput(out.logits[:, :Q], None if out.hidden is None else out.hidden[:, :Q])
         slots = cache.begin_block(Q, committed_max)  # (B, Q)
         S = self._span(cache, (int(slots.max()) if committed_max is None else committed_max + Q - 1) + 1)
         L = cache.lengths.view(-1, 1, 1)  # (B, 1, 1)

@@ -168,6 +168,33 @@ def test_whole_loop_lossless(case):
     assert res.p_value > ALPHA, res
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [
+    # (temperature, top_k, top_p, greedy draft, k)
+    (1.0, 0, 1.0, False, 2),  # plain sampling, sampled draft with q
+    (0.7, 5, 1.0, True, 3),  # temperature + top-k, deterministic draft
+])
+def test_whole_loop_lossless_in_low_precision(case, dtype):
+    """The loop with a bf16 / fp16 target and draft (bf16 linears packed for oneDNN where the CPU
+    supports it): the joint of the first 3 tokens against the exact joint of the same low-precision
+    model (its own p; sampling and rejection run in float32). Power as test_whole_loop_lossless."""
+    temperature, top_k, top_p, greedy_draft, k = case
+    V, L = 16, 3
+    target, draft = _stat_pair()
+    target, draft = target.to(dtype), draft.to(dtype)
+    assert {p.dtype for p in target.parameters()} == {dtype}
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k, top_p)).numpy()
+    n = power_rows(exact, N_ROWS)
+    prop = DraftModelProposer(draft, DraftModelConfig(k=k, greedy_draft=greedy_draft))
+    out = speculative_generate(target, prop, prompt.expand(n, -1), max_new_tokens=L,
+                               temperature=temperature, top_k=top_k, top_p=top_p,
+                               generator=torch.Generator().manual_seed(zlib.crc32(repr((case, str(dtype))).encode())))
+    res = oracle.chi_square_gof(_joint_counts(out, V, L), exact)
+    assert 0.3 < out.stats.acceptance_rate < 0.95
+    assert res.p_value > ALPHA, res
+
+
 def test_whole_loop_catches_a_wrong_verifier(monkeypatch):
     """The same test fails when the rejection step ignores q (accepts every draft token); 25,000
     rows are plenty for a deviation this large (p ~ 0 at 80,000 before)."""

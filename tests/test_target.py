@@ -31,6 +31,53 @@ def test_compile_matches_eager_and_reuses_one_graph():
         autoregressive_generate(tc, ids, max_new_tokens=2, temperature=0)
 
 
+class _RandomTrees:
+    """Trees of a random size (1..k nodes per row, ragged), random parents and random tokens each
+    step: deterministic siblings, q = None. Mostly rejected; greedy output must not depend on them."""
+
+    def __init__(self, k, vocab, seed):
+        self.k, self.vocab, self.g = k, vocab, torch.Generator().manual_seed(seed)
+
+    def begin(self, ctx, sampling, generator):
+        pass
+
+    def propose(self, ctx, sampling, generator):
+        from specref.proposer import Draft
+
+        B, k = ctx.tokens.shape[0], self.k
+        lengths = torch.randint(1, k + 1, (B,), generator=self.g)  # (B,)
+        tokens = torch.randint(0, self.vocab, (B, k), generator=self.g)  # (B, k)
+        parents = torch.stack([torch.randint(-1, i, (B,), generator=self.g) if i else torch.full((B,), -1)
+                               for i in range(k)], dim=1)  # (B, k): parent index < own index
+        real = torch.arange(k).view(1, k) < lengths.view(B, 1)  # (B, k)
+        return Draft(tokens=torch.where(real, tokens, -1), lengths=lengths, parents=torch.where(real, parents, -1),
+                     siblings="deterministic")
+
+    def update(self, ctx, num_accepted):
+        pass
+
+
+def test_compiled_trees_of_any_size_share_one_graph():
+    """compile=True pads every tree to the proposer's node budget (1 + k positions): ragged trees of
+    1..k nodes, at two prompt lengths, run in one compiled graph (every step drafts, so no one-token
+    block is compiled), with greedy output equal to eager decoding. Seen failing without the padding
+    (4 graphs)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    m = tiny_model("llama", vocab_size=64, seed=1)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    tc = Target(m, TargetConfig(compile=True))
+    for cut in (9, 5):
+        ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=12, temperature=0)
+        out = speculative_generate(tc, _RandomTrees(5, 64, seed=cut), ids[:, :cut], max_new_tokens=12,
+                                   temperature=0)
+        assert torch.equal(out.tokens, ref.tokens)
+        assert out.stats.target_forwards > 3  # several steps, trees of several sizes
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma", "phi3", "olmo", "granite", "smollm3",
                                   "starcoder2", "gpt_neox", "gpt2"])
 def test_more_architectures_greedy_parity(arch):

@@ -16,21 +16,24 @@ the committed heads (medusa_heads.py) over the tree their file ships, with lossl
 T = 0); MTP the committed modules (mtp.py) as a chain of k = max(D, 3); EAGLE-2 (`eagle2`,
 eagle_tree.py) the same EAGLE-1 head growing a dynamic tree, alone or behind prompt lookup
 (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`, `hybrid_eagle3`, eagle3.py) the committed
-EAGLE-3 head as a chain, a dynamic tree, or behind prompt lookup.
+EAGLE-3 head as a chain, a dynamic tree, or behind prompt lookup. `ar_fp32` (only with a bf16/fp16
+model) is `ar` on a float32 copy of the same model, so one run gives a low-precision method's
+ratio to float32 decoding and the fraction of questions whose greedy output is unchanged.
 """
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..costs import device_sync
+from ..target import Target
 
-ALL_METHODS = ("ar", "hf", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3", "eagle3_tree", "hybrid",
+ALL_METHODS = ("ar", "ar_fp32", "hf", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3", "eagle3_tree", "hybrid",
                "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa", "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
 
 
@@ -162,6 +165,17 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
     for name in cfg.methods:
         if name == "ar":
             continue  # always first, added below
+        if name == "ar_fp32":  # the same model in float32: a low-precision run's ratio to fp32
+            if cfg.dtype == "float32":
+                skipped[name] = "the model is float32 already: ar is this baseline"
+                continue
+            fp32, _, _, _ = load_model(replace(cfg, dtype="float32"))
+            t32 = Target(fp32, target.config)
+            methods.append(Method("ar_fp32", "specref autoregressive, float32 model", lambda ids, max_len, seed, n=N,
+                                  mask=None, t32=t32: _spec_record(autoregressive_generate(
+                                      t32, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})),
+                                  specref=False))  # its greedy output may differ from the low-precision ar's
+            continue
         if name == "hf":
             methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
         elif name == "hf_pld":

@@ -25,6 +25,14 @@ from typing import Dict, List, Optional
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
+def first_difference(tokens: List[int], base: List[int]) -> Optional[int]:
+    """Index of the first token where a greedy output departs from the baseline's (a length
+    difference counts at the shorter one's end); None if they are equal."""
+    if tokens == base:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, base)) if a != b), min(len(tokens), len(base)))
+
+
 def _group(recs: List[dict], base: List[dict]) -> dict:
     """Aggregate the records of one method over a set of questions (base: the ar records)."""
     rate = [r["n"] / max(r["wall"], 1e-9) for r in recs]
@@ -35,6 +43,7 @@ def _group(recs: List[dict], base: List[dict]) -> dict:
                tok_s=statistics.median(rate), speedup=math.exp(statistics.fmean(math.log(x) for x in ratio)),
                tau=sum(r["n"] for r in recs) / max(sum(r["forwards"] for r in recs), 1),
                identical=None if None in ident else all(ident), identical_count=sum(bool(x) for x in ident),
+               first_diff=[r["first_diff"] for r in recs if r.get("first_diff") is not None],  # greedy
                peak_mb=max(r["peak_mb"] for r in recs), alpha=None, k=None, c=None, v=None,
                predicted=None, acceptance_per_position=None, draft_fraction=None)
     if "verify_time" not in recs[0]:  # transformers methods: no internal counters
@@ -79,16 +88,25 @@ def _f(x, fmt="{:.2f}", none="-"):
 def _ident(s):
     if s["identical"] is None:
         return "n/a (sampled)"
-    return "yes" if s["identical"] else f"**NO** ({s['identical_count']}/{s['questions']})"
+    if s["identical"]:
+        return "yes"
+    first = sorted(s.get("first_diff") or [])
+    at = f"; first diff at token {first[len(first) // 2]} (median)" if first else ""
+    return f"**NO** ({s['identical_count']}/{s['questions']}{at})"
 
 
 def overall_table(result: dict) -> str:
     meta, summ = result["meta"], result["summary"]
-    lines = ["| method | tok/s (median) | speed-up vs ar | tau | alpha | k | c | v | predicted | "
-             "greedy identical | peak MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # a low-precision run with ar_fp32: each ratio also against float32 decoding (geometric means over
+    # the same questions, so speed-up / speed-up(ar_fp32) is the mean ratio to ar_fp32 per question)
+    fp32 = summ["ar_fp32"]["overall"]["speedup"] if "ar_fp32" in summ else None
+    lines = ["| method | tok/s (median) | speed-up vs ar |" + (" vs float32 ar |" if fp32 else "")
+             + " tau | alpha | k | c | v | predicted | greedy identical | peak MB |",
+             "|---|---|---|" + ("---|" if fp32 else "") + "---|---|---|---|---|---|---|---|"]
     for m, s in summ.items():
         o = s["overall"]
-        lines.append(f"| {meta['labels'][m]} | {o['tok_s']:.1f} | {o['speedup']:.2f}x | {o['tau']:.2f} | "
+        vs = f" {o['speedup'] / fp32:.2f}x |" if fp32 else ""
+        lines.append(f"| {meta['labels'][m]} | {o['tok_s']:.1f} | {o['speedup']:.2f}x |{vs} {o['tau']:.2f} | "
                      f"{_f(o['alpha'])} | {_f(o['k'], '{:.1f}')} | {_f(o['c'], '{:.3f}')} | {_f(o['v'])} | "
                      f"{_f(o['predicted'], '{:.2f}x')} | {_ident(o)} | {o['peak_mb']:.0f} |")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specref.backends.cpu_linear import PackedLinears, packing_available
+from specref.backends.cpu_linear import PackedLinears, packable_dtypes, packing_available
 from specref.costs import measure_verify_cost
 from specref.generate import autoregressive_generate
 from specref.models import tiny_model
@@ -29,13 +29,15 @@ def test_packed_matches_plain_and_restores_the_model():
     assert "forward" not in lin.__dict__  # the module is left as it was
 
 
-def test_rows_do_not_depend_on_how_many_are_computed_together():
+@pytest.mark.parametrize("dtype", packable_dtypes())
+def test_rows_do_not_depend_on_how_many_are_computed_together(dtype):
     """The packed kernel gives a row the same bits alone (autoregressive step) as inside a block
-    (verify), for the default model's linear shapes."""
+    (verify), for the default model's linear shapes, in every dtype this CPU packs. (On AVX-512 a
+    one-row 1536 -> 576 product takes another kernel: the packing computes it as a block of two.)"""
     torch.manual_seed(0)
     for n_in, n_out in [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 4096)]:
-        lin = torch.nn.Linear(n_in, n_out, bias=False)
-        x = torch.randn(11, n_in)
+        lin = torch.nn.Linear(n_in, n_out, bias=False).to(dtype)
+        x = torch.randn(11, n_in).to(dtype)
         with torch.no_grad(), PackedLinears(torch.nn.Sequential(lin)).active():
             block = lin(x)  # (11, out)
             alone = torch.cat([lin(x[j: j + 1]) for j in range(11)])  # (11, out)
@@ -128,3 +130,18 @@ def test_one_packing_per_model_shared_by_targets():
     del m
     gc.collect()
     assert ref() is None  # the cache does not keep the model alive
+
+
+def test_low_precision_linears_are_packed_where_the_cpu_supports_them():
+    """A bf16 model's linears are packed exactly when oneDNN has a bf16 path on this CPU (AVX-512
+    BF16 here), and the packed kernel agrees with F.linear to bf16 rounding."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        lin = torch.nn.Linear(64, 48).to(dtype)
+        packed = PackedLinears(torch.nn.Sequential(lin))
+        assert len(packed) == (1 if dtype in packable_dtypes() else 0), dtype
+        x = torch.randn(5, 64).to(dtype)
+        with torch.no_grad(), packed.active():
+            got = lin(x)
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, lin.weight, lin.bias).float(),
+                                   rtol=2e-2, atol=2e-2)

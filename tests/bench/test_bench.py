@@ -12,7 +12,7 @@ import pytest
 
 from specref.bench.methods import ALL_METHODS
 from specref.bench.runner import bench_main, find_question_file, load_questions
-from specref.bench.report import END, START, splice
+from specref.bench.report import END, START, first_difference, overall_table, splice
 
 QUESTIONS = [  # Spec-Bench format: question_id, category, turns (only the first turn is used)
     {"question_id": 2, "category": "writing", "turns": ["Write a short poem about the sea.", "Again."]},
@@ -64,7 +64,7 @@ def test_bench_end_to_end(qfile, tmp_path):
     assert OTHER in text and START in text and END in text and "bench.png" in text
     summ = res["summary"]
     # every method of the tiny setup ran (lookahead only once specref.lookahead exists)
-    expected = set(ALL_METHODS) - {"lookahead"}  # ar, hf, ngram, draft, eagle, eagle2, eagle3, ... hf_assist
+    expected = set(ALL_METHODS) - {"lookahead", "ar_fp32"}  # ar, hf, ngram, draft, eagle, eagle2, eagle3, ... hf_assist
     assert expected <= set(summ) and set(summ) | set(res["meta"]["skipped"]) == set(ALL_METHODS)
     assert set(summ["ar"]["per_category"]) == {"writing", "summarization", "coding"}
     for name, s in summ.items():
@@ -112,3 +112,36 @@ def test_batch_bench_end_to_end(qfile, tmp_path):
     assert OTHER in text and "## Batch size" in text and "| 4 | specref n-gram" in text
     with pytest.raises(ValueError, match="batch-size"):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--batch-size", "4", "2"])
+
+
+def test_low_precision_run_against_float32(qfile, tmp_path):
+    """--dtype bfloat16 with ar_fp32: the float32 copy runs as a method (not a specref method: its
+    greedy output may differ), each ratio is also given against it; ar_fp32 is skipped (with its
+    reason) in a float32 run."""
+    out = tmp_path / "out"
+    rc = bench_main(["--model", "tiny", "--dtype", "bfloat16", "--methods", "ar", "ar_fp32", "ngram",
+                     "--question-file", str(qfile), "--questions", "1", "--max-new-tokens", "24",
+                     "--out", str(out), "--markdown", "none", "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert set(res["summary"]) == {"ar", "ar_fp32", "ngram"} and not res["meta"]["specref"]["ar_fp32"]
+    for name, recs in res["records"].items():
+        for r in recs:  # None where identical, else the index of the first token that differs
+            assert (r["first_diff"] is None) == r["identical"]
+            if not r["identical"]:
+                base = next(b for b in res["records"]["ar"] if b["question_id"] == r["question_id"])
+                i = r["first_diff"]
+                assert r["tokens"][:i] == base["tokens"][:i] and r["tokens"][i:i + 1] != base["tokens"][i:i + 1]
+    assert "| vs float32 ar |" in overall_table(res)
+    rc = bench_main(["--model", "tiny", "--methods", "ar", "ar_fp32", "--question-file", str(qfile),
+                     "--questions", "1", "--max-new-tokens", "8", "--out", str(tmp_path / "o2"),
+                     "--markdown", "none", "--no-progress"])
+    res = json.loads((tmp_path / "o2" / "bench.json").read_text())
+    assert rc == 0 and "ar_fp32" in res["meta"]["skipped"] and set(res["summary"]) == {"ar"}
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1  # the second token differs
+    assert first_difference([7], [1, 2]) == 0
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early (eos): at the shorter's end
