@@ -222,7 +222,7 @@ class Replay(Target):
         self.seconds += time.perf_counter() - t0
         return out
 
-    def verify_tree(self, cache, block, ancestors, depth, hidden_layers=None, committed_max=None):
+    def verify_tree(self, cache, block, ancestors, depth, hidden_layers=None, committed_max=None, pad_to=None):
         t0 = time.perf_counter()
         Q = block.shape[1]
         self.widths.append(Q)

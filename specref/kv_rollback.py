@@ -52,6 +52,9 @@ class _RowLayer(CacheLayerMixin):
         self.values = value_states.new_zeros((B, H, S, value_states.shape[-1]))  # (B, H, S, Dv)
         self.device = key_states.device
         self.is_initialized = True
+        if self.keys.is_cuda and not torch.compiler.is_compiling():  # (prefill is eager: here)
+            torch._dynamo.mark_static_address(self.keys)  # written in place by compiled forwards:
+            torch._dynamo.mark_static_address(self.values)  # CUDA graphs need fixed addresses
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

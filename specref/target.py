@@ -43,9 +43,10 @@ class TargetConfig:
     """Settings of the target wrapper."""
 
     compile: bool = False  # run verify forwards under torch.compile (prefill stays eager); drafted
-    # chain blocks are padded to k+1 (generate.py), so two graphs (1 and k+1 tokens) serve every
-    # step. On CPU the weights are frozen into the graph (inductor freezing): to change them, build
-    # a new Target (a changed weight raises ValueError at the next generation)
+    # chain blocks are padded to k+1 and trees to the proposer's node budget (generate.py), so two
+    # graphs (1 and k+1 tokens) serve every step. On CUDA mode="reduce-overhead" (CUDA graphs). On
+    # CPU the weights are frozen into the graph (inductor freezing): to change them, build a new
+    # Target (a changed weight raises ValueError at the next generation)
     pack_linears: Optional[bool] = None  # CPU fp32 (bf16 where supported): run linears with weights pre-packed for oneDNN
     # (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
     # it applies (CPU, fp32 or supported bf16 linears, no compile); True requires it to apply
@@ -144,8 +145,21 @@ class Target:
             # on CPU, inductor's freezing folds the weights into the graph as constants and packs
             # the linears for oneDNN (without it a compiled CPU forward is no faster than eager)
             freeze = self.device.type == "cpu"
-            self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
-                                          options={"freezing": True} if freeze else None)
+            if self.device.type == "cuda":  # CUDA graphs (inductor's cudagraph trees): the launch
+                # overhead of a small model's step is what they remove. Static shapes make it one
+                # graph per block width (chains padded to k+1, trees to the node budget); the KV
+                # tensors are static addresses (kv_rollback.py marks them), other inputs are copied
+                # into the graph's buffers, and outputs are cloned before the next replay reuses them
+                compiled = torch.compile(self._eager_forward, dynamic=False, fullgraph=False, mode="reduce-overhead")
+
+                def forward(*args, **kwargs):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    out = compiled(*args, **kwargs)
+                    return BlockOutput(out.logits.clone(), None if out.hidden is None else out.hidden.clone())
+                self._forward = forward
+            else:
+                self._forward = torch.compile(self._eager_forward, dynamic=False, fullgraph=False,
+                                              options={"freezing": True} if freeze else None)
             self._frozen = _weight_versions(model) if freeze else None
 
     def session(self):

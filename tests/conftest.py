@@ -29,6 +29,8 @@ FIRST = "test_models.py"  # its default-model tests convert the GGUF first and s
 def pytest_configure(config):
     config.addinivalue_line("markers", "two_threads: a whole-loop statistical test over tens of thousands of rows "
                             "in one batch; runs with SPECREF_TEST_BIG_THREADS (default 2) intra-op threads")
+    config.addinivalue_line("markers", "devices: parametrized over _devices.DEVICES (the CPU, and CUDA where "
+                            "present); scripts/gpu_check.sh runs these on a GPU")
 
 
 def pytest_collection_modifyitems(session, config, items):

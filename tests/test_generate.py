@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from _devices import DEVICES
 from _stats import power_rows, power_sample_size
 from specref import oracle
 from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
@@ -43,16 +44,18 @@ def _hf_greedy(model, ids, mask, n):
     return out[:, ids.shape[1]:]
 
 
+@pytest.mark.devices
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_parity_tiny(arch):
-    target = tiny_model(arch, vocab_size=96, seed=1)
+def test_greedy_parity_tiny(arch, device):
+    target = tiny_model(arch, vocab_size=96, seed=1).to(device)
     drafts = {
-        "other": tiny_model(arch, vocab_size=96, seed=2, num_layers=1),  # mostly rejected
+        "other": tiny_model(arch, vocab_size=96, seed=2, num_layers=1).to(device),  # mostly rejected
         "self": target,  # always accepted: exercises full accepts and the bonus token
         "trunc": truncated_draft(target, 1),
     }
     for lengths in ([7], [3, 9, 5, 12]):
-        ids, mask = _prompts(96, lengths, seed=len(lengths))
+        ids, mask = (t.to(device) for t in _prompts(96, lengths, seed=len(lengths)))
         n = 20
         ar = autoregressive_generate(target, ids, mask, max_new_tokens=n, temperature=0)
         hf = _hf_greedy(target, ids, mask, n)
@@ -132,7 +135,7 @@ def test_accepted_counts_stop_at_eos_and_the_token_budget(tree):
 
 
 def _joint_counts(out, V, L):
-    toks = out.tokens[:, :L].numpy()
+    toks = out.tokens[:, :L].cpu().numpy()
     assert (toks >= 0).all()
     return oracle.counts(oracle.joint_index(toks, V), V ** L)
 
@@ -168,22 +171,24 @@ def test_whole_loop_lossless(case):
     assert res.p_value > ALPHA, res
 
 
+@pytest.mark.devices
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", [
     # (temperature, top_k, top_p, greedy draft, k)
     (1.0, 0, 1.0, False, 2),  # plain sampling, sampled draft with q
     (0.7, 5, 1.0, True, 3),  # temperature + top-k, deterministic draft
 ])
-def test_whole_loop_lossless_in_low_precision(case, dtype):
+def test_whole_loop_lossless_in_low_precision(case, dtype, device):
     """The loop with a bf16 / fp16 target and draft (bf16 linears packed for oneDNN where the CPU
     supports it): the joint of the first 3 tokens against the exact joint of the same low-precision
     model (its own p; sampling and rejection run in float32). Power as test_whole_loop_lossless."""
     temperature, top_k, top_p, greedy_draft, k = case
     V, L = 16, 3
     target, draft = _stat_pair()
-    target, draft = target.to(dtype), draft.to(dtype)
+    target, draft = target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype)
     assert {p.dtype for p in target.parameters()} == {dtype}
-    prompt = torch.tensor([3, 1, 4, 1, 5])
+    prompt = torch.tensor([3, 1, 4, 1, 5], device=device)
     exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k, top_p)).numpy()
     n = power_rows(exact, N_ROWS)
     prop = DraftModelProposer(draft, DraftModelConfig(k=k, greedy_draft=greedy_draft))

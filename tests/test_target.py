@@ -1,6 +1,7 @@
 """Target wrapper: torch.compile parity and graph reuse, architectures, unsupported models."""
 import pytest
 import torch
+from _devices import DEVICES
 
 from specref.draft_model import DraftModelConfig, DraftModelProposer
 from specref.generate import autoregressive_generate, speculative_generate
@@ -8,15 +9,17 @@ from specref.models import tiny_model
 from specref.target import Target, TargetConfig
 
 
-def test_compile_matches_eager_and_reuses_one_graph():
+@pytest.mark.devices
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_matches_eager_and_reuses_one_graph(device):
     """compile=True: identical greedy tokens; calls with other prompt lengths reuse the graph
-    (blocks padded to k+1, cache size rounded up)."""
+    (blocks padded to k+1, cache size rounded up). On CUDA: mode="reduce-overhead" (CUDA graphs)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    m = tiny_model("llama", vocab_size=64, seed=1)
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    m = tiny_model("llama", vocab_size=64, seed=1).to(device)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
     tc = Target(m, TargetConfig(compile=True))
     for cut in (9, 6):
         ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=10, temperature=0)
@@ -24,6 +27,8 @@ def test_compile_matches_eager_and_reuses_one_graph():
                                    max_new_tokens=10, temperature=0)
         assert torch.equal(out.tokens, ref.tokens)
     assert counters["stats"]["unique_graphs"] == 1
+    if device != "cpu":
+        return
     # on CPU the weights are frozen into the graph: changing them afterwards is an error, not stale output
     with torch.no_grad():
         m.model.layers[0].mlp.up_proj.weight.mul_(2.0)
@@ -50,14 +55,17 @@ class _RandomTrees:
         parents = torch.stack([torch.randint(-1, i, (B,), generator=self.g) if i else torch.full((B,), -1)
                                for i in range(k)], dim=1)  # (B, k): parent index < own index
         real = torch.arange(k).view(1, k) < lengths.view(B, 1)  # (B, k)
-        return Draft(tokens=torch.where(real, tokens, -1), lengths=lengths, parents=torch.where(real, parents, -1),
-                     siblings="deterministic")
+        dev = ctx.tokens.device
+        return Draft(tokens=torch.where(real, tokens, -1).to(dev), lengths=lengths.to(dev),
+                     parents=torch.where(real, parents, -1).to(dev), siblings="deterministic")
 
     def update(self, ctx, num_accepted):
         pass
 
 
-def test_compiled_trees_of_any_size_share_one_graph():
+@pytest.mark.devices
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_trees_of_any_size_share_one_graph(device):
     """compile=True pads every tree to the proposer's node budget (1 + k positions): ragged trees of
     1..k nodes, at two prompt lengths, run in one compiled graph (every step drafts, so no one-token
     block is compiled), with greedy output equal to eager decoding. Seen failing without the padding
@@ -66,8 +74,8 @@ def test_compiled_trees_of_any_size_share_one_graph():
 
     torch._dynamo.reset()
     counters.clear()
-    m = tiny_model("llama", vocab_size=64, seed=1)
-    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    m = tiny_model("llama", vocab_size=64, seed=1).to(device)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
     tc = Target(m, TargetConfig(compile=True))
     for cut in (9, 5):
         ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=12, temperature=0)

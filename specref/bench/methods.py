@@ -13,7 +13,8 @@ so its head scatters the Vd logits into the full V with -inf elsewhere: the same
 outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain; Medusa
 the committed heads (medusa_heads.py) over the tree their file ships, with lossless acceptance
 (`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
-T = 0); MTP the committed modules (mtp.py) as a chain of k = max(D, 3); EAGLE-2 (`eagle2`,
+T = 0); `hf_static` is transformers' generate with its static cache (which it compiles itself on
+CUDA: the baseline a compiled specref `ar` must match); MTP the committed modules (mtp.py) as a chain of k = max(D, 3); EAGLE-2 (`eagle2`,
 eagle_tree.py) the same EAGLE-1 head growing a dynamic tree, alone or behind prompt lookup
 (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`, `hybrid_eagle3`, eagle3.py) the committed
 EAGLE-3 head as a chain, a dynamic tree, or behind prompt lookup. `ar_fp32` (only with a bf16/fp16
@@ -33,7 +34,7 @@ import torch
 from ..costs import device_sync
 from ..target import Target
 
-ALL_METHODS = ("ar", "ar_fp32", "hf", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3", "eagle3_tree", "hybrid",
+ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3", "eagle3_tree", "hybrid",
                "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa", "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
 
 
@@ -178,6 +179,10 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
             continue
         if name == "hf":
             methods.append(Method("hf", "transformers generate", hf({}, [0]), specref=False))
+        elif name == "hf_static":  # transformers compiles the forward itself with a static cache on CUDA
+            methods.append(Method("hf_static", "transformers generate, static cache" + (
+                " (auto-compiled)" if dev.type == "cuda" else ""), hf({"cache_implementation": "static"}, [0]),
+                specref=False))
         elif name == "hf_pld":
             methods.append(Method("hf_pld", "transformers prompt lookup (10)",
                                   hf({"prompt_lookup_num_tokens": 10}, [0]), k=10, specref=False))

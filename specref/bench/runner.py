@@ -9,6 +9,7 @@ after one untimed warm-up call of each method (32 tokens). Methods:
   ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
   ar_fp32    the same on a float32 copy of the model (with --dtype bfloat16 / float16 only)
   hf         transformers `model.generate`, greedy/sampled, dynamic cache
+  hf_static  the same with cache_implementation="static" (transformers compiles it on CUDA)
   ngram      specref prompt lookup (NgramConfig(adaptive=True))
   lookahead  specref lookahead decoding (W, N, G = --lookahead)
   draft      specref draft model with the trained reduced-vocabulary draft, when its weights exist
