@@ -9,18 +9,23 @@ from specref.models import tiny_model
 from specref.target import Target, TargetConfig
 
 
-@pytest.mark.devices
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_matches_eager_and_reuses_one_graph(device):
-    """compile=True: identical greedy tokens; calls with other prompt lengths reuse the graph
-    (blocks padded to k+1, cache size rounded up). On CUDA: mode="reduce-overhead" (CUDA graphs)."""
+def _compiled_tiny(device, rows):
+    """A tiny model, prompts (rows, 9), its compiled Target, and dynamo's counters, reset."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     m = tiny_model("llama", vocab_size=64, seed=1).to(device)
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
-    tc = Target(m, TargetConfig(compile=True))
+    ids = torch.randint(0, 64, (rows, 9), generator=torch.Generator().manual_seed(0)).to(device)  # (rows, 9)
+    return m, ids, Target(m, TargetConfig(compile=True)), counters
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_matches_eager_and_reuses_one_graph(device):
+    """compile=True: identical greedy tokens; calls with other prompt lengths reuse the graph
+    (blocks padded to k+1, cache size rounded up). On CUDA: mode="reduce-overhead" (CUDA graphs)."""
+    m, ids, tc, counters = _compiled_tiny(device, rows=2)
     for cut in (9, 6):
         ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=10, temperature=0)
         out = speculative_generate(tc, DraftModelProposer(m, DraftModelConfig(k=3)), ids[:, :cut],
@@ -70,13 +75,7 @@ def test_compiled_trees_of_any_size_share_one_graph(device):
     1..k nodes, at two prompt lengths, run in one compiled graph (every step drafts, so no one-token
     block is compiled), with greedy output equal to eager decoding. Seen failing without the padding
     (4 graphs)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    m = tiny_model("llama", vocab_size=64, seed=1).to(device)
-    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0)).to(device)
-    tc = Target(m, TargetConfig(compile=True))
+    m, ids, tc, counters = _compiled_tiny(device, rows=3)
     for cut in (9, 5):
         ref = autoregressive_generate(m, ids[:, :cut], max_new_tokens=12, temperature=0)
         out = speculative_generate(tc, _RandomTrees(5, 64, seed=cut), ids[:, :cut], max_new_tokens=12,

@@ -18,9 +18,10 @@ shapes it reads the weights faster than MKL's gemv (30 layers of linears + LM he
 61 vs 77 ms median), and its rows are bit-for-bit independent of how many rows are computed
 together (checked for M = 1, 2, 11), so a token scored alone (autoregressive decoding) and the
 same token scored inside a verify block get the same linear outputs. That held for every M on AVX2
-machines; on AVX-512 (AMD Zen 4) one-row products with K = 1536 took another kernel, so each layer
-is probed when packed and, where a row alone differs, a one-row input is computed as a block of two
-(which measured no slower there: 57 vs 78 us for the 1536 x 576 layer). Results differ from
+machines; on AVX-512 (AMD Zen 4) one-row products with K = 1536 take another kernel, so each shape
+is probed (`one_row_differs`) and where a row alone differs, a one-row input is computed as a block
+of two, which takes the block kernel (measured no slower there: 57 vs 78 us for the 1536 x 576
+layer in fp32; rows 2..8 always agreed with the block). Results differ from
 `F.linear`'s by fp32 rounding (the summation order differs). A layer shared by two models
 (`truncated_draft`) is packed once per model and stays swapped in while either packing is active.
 bf16 weights are packed too where the CPU supports oneDNN's bf16 path (`packable_dtypes()`); on an
@@ -72,17 +73,27 @@ def tensor_version(t) -> tuple:
 _ACTIVE: "weakref.WeakKeyDictionary[nn.Linear, int]" = weakref.WeakKeyDictionary()
 
 
-def _one_row_differs(weight: torch.Tensor, bias, n_in: int) -> bool:
+# (in, out, dtype, bias, threads) -> does a row alone take other bits than inside a block?
+_ONE_ROW_DIFFERS: Dict[tuple, bool] = {}
+
+
+def one_row_differs(weight: torch.Tensor, bias, n_in: int, n_out: int) -> bool:
     """True if the packed kernel gives a row alone other bits than the same row inside a block.
 
-    oneDNN picks its kernel per shape and CPU: on AVX-512 (AMD Zen 4) a one-row product with
-    K = 1536 (the default model's down projection) takes a path whose summation order differs from
-    the two-or-more-row path, while on AVX2 machines every M agreed. Probed once per layer."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, n_in, generator=g).to(weight.dtype)  # (8, in): bf16 outputs round most
-    linear = torch.ops.mkldnn._linear_pointwise              # differences away, so several rows
-    block = linear(x, weight, bias, "none", [], "")  # (8, out)
-    return any(not torch.equal(linear(x[j: j + 1], weight, bias, "none", [], ""), block[j: j + 1]) for j in range(8))
+    oneDNN picks its kernel by shape, dtype and CPU: on AVX-512 (AMD Zen 4) a one-row product with
+    K = 1536 (the default model's down projection) takes another path than two or more rows (fp32:
+    every row differs; bf16: 2-11 rows of 64 once rounded), while on AVX2 machines every row count
+    agreed. Probed with 64 rows alone against the block, once per shape, dtype and thread count."""
+    key = (n_in, n_out, weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _ONE_ROW_DIFFERS:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, n_in, generator=g).to(weight.dtype)  # (64, in)
+        linear = torch.ops.mkldnn._linear_pointwise
+        with torch.no_grad():
+            block = linear(x, weight, bias, "none", [], "")  # (64, out)
+            _ONE_ROW_DIFFERS[key] = any(not torch.equal(linear(x[j: j + 1], weight, bias, "none", [], ""),
+                                                        block[j: j + 1]) for j in range(64))
+    return _ONE_ROW_DIFFERS[key]
 
 
 def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias, pad_one_row: bool):
@@ -91,9 +102,9 @@ def _packed_forward(m: nn.Linear, weight: torch.Tensor, bias, pad_one_row: bool)
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
         if torch.is_grad_enabled() and (x.requires_grad or m.weight.requires_grad):
             return nn.functional.linear(x, m.weight, m.bias)  # autograd: the packed op has no backward
-        if pad_one_row and x.numel() == x.shape[-1]:  # one row: computed as a block of two so that
-            two = x.reshape(1, -1).expand(2, -1)        # it takes the block kernel (same bits as in a
-            return linear(two, weight, bias, "none", [], "")[:1].reshape(*x.shape[:-1], -1)  # verify)
+        if pad_one_row and x.numel() == x.shape[-1]:  # one row: computed as a block of two, so that
+            two = x.reshape(1, -1).expand(2, -1)  # it takes the block kernel (the bits of a verify)
+            return linear(two, weight, bias, "none", [], "")[:1].reshape(*x.shape[:-1], -1)  # (..., out)
         return linear(x, weight, bias, "none", [], "")
     return forward
 
@@ -126,9 +137,7 @@ class PackedLinears:
     def _pack(self, m: nn.Linear) -> None:
         w = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
         b = None if m.bias is None else m.bias.detach()
-        with torch.no_grad():
-            pad = _one_row_differs(w, b, m.in_features)
-        self._forwards[m] = _packed_forward(m, w, b, pad)
+        self._forwards[m] = _packed_forward(m, w, b, one_row_differs(w, b, m.in_features, m.out_features))
         self._versions[m] = self._version_of(m)
 
     @staticmethod
