@@ -48,6 +48,8 @@ def load_model(cfg):
 
         V = 96
         model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
+        if getattr(cfg, "attn", None):
+            model.set_attn_implementation(cfg.attn)
         return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
     if cfg.model == "default":
         from ..models import load_default
@@ -69,6 +71,8 @@ def load_model(cfg):
                                       tokenize=True, return_dict=True)
         return list(out["input_ids"])
 
+    if getattr(cfg, "attn", None):
+        model.set_attn_implementation(cfg.attn)  # every layer reads config._attn_implementation
     eos = model.generation_config.eos_token_id
     eos = tok.eos_token_id if eos is None else eos
     return model, encode, (eos[0] if isinstance(eos, list) and len(eos) == 1 else eos), name
@@ -170,7 +174,7 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
             if cfg.dtype == "float32":
                 skipped[name] = "the model is float32 already: ar is this baseline"
                 continue
-            fp32, _, _, _ = load_model(replace(cfg, dtype="float32"))
+            fp32, _, _, _ = load_model(replace(cfg, dtype="float32", attn=None))  # as loaded: the usual fp32
             t32 = Target(fp32, target.config)
             methods.append(Method("ar_fp32", "specref autoregressive, float32 model", lambda ids, max_len, seed, n=N,
                                   mask=None, t32=t32: _spec_record(autoregressive_generate(

@@ -7,7 +7,7 @@ template, every method on question i before any method on question i+1 (the orde
 rotates from question to question, so slow drift of the machine's load hits all of them alike),
 after one untimed warm-up call of each method (32 tokens). Methods:
   ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
-  ar_fp32    the same on a float32 copy of the model (with --dtype bfloat16 / float16 only)
+  ar_fp32    the same on a float32 copy of the model, its own attention (with --dtype bfloat16 / float16)
   hf         transformers `model.generate`, greedy/sampled, dynamic cache
   hf_static  the same with cache_implementation="static" (transformers compiles it on CUDA)
   ngram      specref prompt lookup (NgramConfig(adaptive=True))
@@ -73,6 +73,7 @@ class BenchConfig:
     device: str = "cpu"
     compile: bool = False  # specref target forwards under torch.compile (prefill stays eager)
     dtype: str = "float32"  # model weights: float32 | bfloat16 | float16
+    attn: Optional[str] = None  # the model's attention implementation (e.g. "eager", "sdpa"); None: its own
     question_file: Optional[str] = None  # None: $SPECREF_SPEC_BENCH, else found above the package
     model: str = "default"  # "default" (SmolLM2-135M-Instruct), a local model folder, or "tiny" (tests)
     draft_k: Optional[int] = None  # None: closed-form optimal k from the draft's alpha and measured c
@@ -285,6 +286,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--compile", action="store_true", help="specref target forwards under torch.compile")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--attn", default=None, choices=("eager", "sdpa"),
+                    help="the model's attention implementation (default: as loaded, sdpa); bf16 with "
+                         "eager attention was block-invariant here (BENCHMARKS.md, bf16 on CPU)")
     ap.add_argument("--question-file", default=None, help="Spec-Bench-format JSONL (default: found)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")
     ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft, and "
@@ -331,7 +335,7 @@ def bench_main(argv=None) -> int:
         raise ValueError(f"--lookahead must be three ints W,N,G, got {a.lookahead!r}")
     cfg = BenchConfig(methods=methods, lookahead=look, categories=_split(a.categories), questions=per,
                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
-                      compile=a.compile, dtype=a.dtype, question_file=a.question_file, model=a.model,
+                      compile=a.compile, dtype=a.dtype, attn=a.attn, question_file=a.question_file, model=a.model,
                       draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
                       pick=a.pick, pick_tokens=a.pick_tokens, weights=tuple(a.weights))
     args = list(sys.argv[1:] if argv is None else argv)
