@@ -115,12 +115,12 @@ def test_batch_bench_end_to_end(qfile, tmp_path):
 
 
 def test_low_precision_run_against_float32(qfile, tmp_path):
-    """--dtype bfloat16 (--attn eager) with ar_fp32: the float32 copy runs as a method (not a specref method: its
-    greedy output may differ), each ratio is also given against it; ar_fp32 is skipped (with its
-    reason) in a float32 run."""
+    """--dtype bfloat16 (--attn eager) with ar_fp32: the float32 copy runs as a method (not a
+    specref method: its greedy output may differ), each ratio is also given against it; ar_fp32 is
+    skipped (with its reason) in a float32 run."""
     out = tmp_path / "out"
-    rc = bench_main(["--model", "tiny", "--dtype", "bfloat16", "--attn", "eager", "--methods", "ar", "ar_fp32", "ngram",
-                     "--question-file", str(qfile), "--questions", "1", "--max-new-tokens", "24",
+    rc = bench_main(["--model", "tiny", "--dtype", "bfloat16", "--attn", "eager", "--methods", "ar", "ar_fp32",
+                     "ngram", "--question-file", str(qfile), "--questions", "1", "--max-new-tokens", "24",
                      "--out", str(out), "--markdown", "none", "--no-progress"])
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
