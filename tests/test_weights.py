@@ -28,3 +28,22 @@ def test_fingerprint_tells_models_apart():
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     assert fingerprint(a) == fingerprint(tiny_model("llama", seed=0))
     assert fingerprint(a) != fingerprint(b) and len(fingerprint(a)) == 16
+
+
+def test_other_target_warning_names_a_precision_change():
+    """A file made for the fp32 model warns on its bf16 copy (the fingerprint hashes exact values),
+    and the warning says that another precision is a possible reason; no warning on the fp32 model."""
+    import warnings
+
+    from specref.weights import warn_if_other_target
+
+    m = tiny_model("llama", seed=0)
+    meta = {"target_fingerprint": fingerprint(m)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_other_target("f.safetensors", meta, m)  # same model: silent
+    with pytest.warns(UserWarning, match="another precision \\(this one is bfloat16"):
+        warn_if_other_target("f.safetensors", meta, tiny_model("llama", seed=0).to(torch.bfloat16))
+    with pytest.warns(UserWarning, match="another target") as rec:
+        warn_if_other_target("f.safetensors", meta, tiny_model("llama", seed=1))
+    assert "precision" not in str(rec[0].message)  # another fp32 model: no precision hint

@@ -74,8 +74,12 @@ def warn_if_other_target(path, meta: dict, target: torch.nn.Module) -> None:
     """Warn (not raise) when the file was trained for another target: a draft of the same
     vocabulary stays lossless on any target, it is only accepted less often."""
     if meta.get("target_fingerprint") != fingerprint(target):
-        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')}): "
-                      "it stays lossless but may be accepted rarely")
+        dtype = next(target.parameters()).dtype
+        other = "" if dtype == torch.float32 else (
+            f", or for this model in another precision (this one is {str(dtype).replace('torch.', '')}: "
+            "the fingerprint hashes the weights' exact values)")
+        warnings.warn(f"{path} was trained for another target (fingerprint {meta.get('target_fingerprint')})"
+                      f"{other}: it stays lossless but may be accepted rarely")
 
 
 def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
