@@ -33,6 +33,7 @@ Used by target.py on CPU (TargetConfig.pack_linears). Left out: training (with a
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Dict, Iterator
 
@@ -45,6 +46,7 @@ def packing_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.lru_cache(maxsize=None)
 def packable_dtypes() -> tuple:
     """The weight dtypes oneDNN packs on this CPU: float32 always; bfloat16 and float16 where the
     CPU has the instructions oneDNN needs for them (bf16: AVX-512 BF16 / AMX or a fast emulation;

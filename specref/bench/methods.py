@@ -39,7 +39,15 @@ ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft"
 
 
 def load_model(cfg):
-    """(model, encode(text) -> chat-template token ids, eos id(s) or None, model name)."""
+    """(model, encode(text) -> chat-template token ids, eos id(s) or None, model name); cfg.attn, if
+    set, is the model's attention implementation (every layer reads config._attn_implementation)."""
+    model, encode, eos, name = _load_model(cfg)
+    if getattr(cfg, "attn", None):
+        model.set_attn_implementation(cfg.attn)
+    return model, encode, eos, name
+
+
+def _load_model(cfg):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.dtype)
     if dtype is None:
         raise ValueError(f"dtype {cfg.dtype!r} is not one of float32, bfloat16, float16")
@@ -48,8 +56,6 @@ def load_model(cfg):
 
         V = 96
         model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
-        if getattr(cfg, "attn", None):
-            model.set_attn_implementation(cfg.attn)
         return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
     if cfg.model == "default":
         from ..models import load_default
@@ -71,8 +77,6 @@ def load_model(cfg):
                                       tokenize=True, return_dict=True)
         return list(out["input_ids"])
 
-    if getattr(cfg, "attn", None):
-        model.set_attn_implementation(cfg.attn)  # every layer reads config._attn_implementation
     eos = model.generation_config.eos_token_id
     eos = tok.eos_token_id if eos is None else eos
     return model, encode, (eos[0] if isinstance(eos, list) and len(eos) == 1 else eos), name

@@ -237,8 +237,8 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     t_loop = time.perf_counter() - t_loop
     for m in methods:  # greedy identity with the baseline, token for token
         for rec, base in zip(records[m.name], records["ar"]):
-            rec["identical"] = (rec["tokens"] == base["tokens"]) if cfg.temperature == 0 else None
             rec["first_diff"] = first_difference(rec["tokens"], base["tokens"]) if cfg.temperature == 0 else None
+            rec["identical"] = (rec["first_diff"] is None) if cfg.temperature == 0 else None
     meta = dict(command=command, date=date, model=model_name,
                 question_file=str(qfile), config={**asdict(cfg), "question_file": str(qfile)},
                 skipped=skipped, num_questions=len(questions), machine=machine,

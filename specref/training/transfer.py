@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -50,12 +51,10 @@ def top1_by_depth(m: Dict[str, float]) -> List[float]:
     """Top-1 agreement per drafted position from a task's evaluate() means: MTP's top1_d, Medusa's
     head k (h{k}_r0 over h{k}_n: each head has its own label positions); else [top1]."""
     if "h1_n" in m:  # MedusaTask
-        k = 1
-        out = []
-        while f"h{k}_n" in m:
-            out.append(m[f"h{k}_r0"] / m[f"h{k}_n"] if m[f"h{k}_n"] > 0 else 0.0)
-            k += 1
-        return out
+        from .medusa import rank_accuracies
+
+        heads = sum(1 for key in m if re.fullmatch(r"h\d+_n", key))
+        return rank_accuracies(m, heads, 1, prefix="")[:, 0].tolist()
     if "top1_1" in m:  # MTPTask
         return [m[f"top1_{d}"] for d in range(1, sum(key.startswith("top1_") for key in m) + 1)]
     return [m.get("top1", 0.0)]
