@@ -10,8 +10,8 @@ Every forward here passes explicit position ids and a 4D additive attention mask
 over the static cache, so rows of different lengths share one batch without padding tokens
 inside the cache, and stale slots beyond a row's committed length are never read. Eager forwards
 attend only the cache's used prefix (slots up to the highest one any row writes); compiled ones
-the whole cache (static shapes). On CPU, fp32 (and bf16 where oneDNN supports it) linears run with weights pre-packed for oneDNN
-(backends/cpu_linear.py), so a block of k+1 tokens costs little more than one token.
+the whole cache (static shapes). On CPU, fp32 (and bf16 where oneDNN supports it) linears run with
+weights pre-packed for oneDNN (backends/cpu_linear.py), so a block of k+1 tokens costs little more than one token.
 
 Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
 SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D mask unchanged and
@@ -47,8 +47,8 @@ class TargetConfig:
     # graphs (1 and k+1 tokens) serve every step. On CUDA mode="reduce-overhead" (CUDA graphs). On
     # CPU the weights are frozen into the graph (inductor freezing): to change them, build a new
     # Target (a changed weight raises ValueError at the next generation)
-    pack_linears: Optional[bool] = None  # CPU fp32 (bf16 where supported): run linears with weights pre-packed for oneDNN
-    # (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
+    pack_linears: Optional[bool] = None  # CPU fp32 (bf16 where supported): run linears with weights
+    # pre-packed for oneDNN (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
     # it applies (CPU, fp32 or supported bf16 linears, no compile); True requires it to apply
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
@@ -138,7 +138,8 @@ class Target:
                 raise ValueError("pack_linears and compile are exclusive (inductor packs its own weights)")
             self.packed = PackedLinears.of(model)
             if config.pack_linears and not len(self.packed):
-                raise ValueError(f"pack_linears=True but {name} has no CPU nn.Linear layers in a dtype oneDNN packs here")
+                raise ValueError(f"pack_linears=True but {name} has no CPU nn.Linear layers in a dtype "
+                                 "oneDNN packs here")
         self._forward = self._eager_forward
         self._frozen = None  # weight versions a CPU compile froze into its graphs
         if config.compile:

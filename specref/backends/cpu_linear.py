@@ -9,8 +9,8 @@ a 1-token forward and a 4-token forward 1.7-2.1x. Packing each weight once into 
 layout (what torch.compile's inductor does for frozen CPU linears) makes the 1/2/4/8-token forwards
 cost 82/101/116/127 ms instead of 81/137/166/167 ms.
 
-`PackedLinears(model)` packs every fp32 (and, where supported, bf16) `nn.Linear` of a model once; `with packed.active():` swaps
-their forwards for the packed kernel and restores the originals on exit, so the user's model object
+`PackedLinears(model)` packs every fp32 (and, where supported, bf16) `nn.Linear` of a model once;
+`with packed.active():` swaps their forwards for the packed kernel and restores the originals on exit, so the user's model object
 is left unchanged for other code (e.g. transformers' generate). The packed copy costs one extra copy
 of the linear weights in memory. A layer whose weight changes (in place or replaced) is repacked on
 the next outermost `active()`. One-row inputs use the packed kernel too: on the default model's
@@ -28,7 +28,8 @@ bf16 weights are packed too where the CPU supports oneDNN's bf16 path (`packable
 AMD EPYC (Zen 4, AVX-512 BF16, 2 threads) a packed bf16 linear cost 33/37 us for 1/4 rows of
 576 x 1536 against 55/58 us packed fp32 and 66/80 us bf16 `F.linear`, and the LM head 1.8 ms against
 5.0 ms (fp32 packed). fp16 only where oneDNN has an fp16 path (AVX-512 FP16, AVX-NE-CONVERT).
-Used by target.py on CPU (TargetConfig.pack_linears). Left out: training (with autograd enabled a layer falls back to F.linear), GPUs (not needed).
+Used by target.py on CPU (TargetConfig.pack_linears). Left out: training (with autograd enabled a
+layer falls back to F.linear), GPUs (not needed).
 """
 from __future__ import annotations
 
