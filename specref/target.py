@@ -11,7 +11,8 @@ over the static cache, so rows of different lengths share one batch without padd
 inside the cache, and stale slots beyond a row's committed length are never read. Eager forwards
 attend only the cache's used prefix (slots up to the highest one any row writes); compiled ones
 the whole cache (static shapes). On CPU, fp32 (and bf16 where oneDNN supports it) linears run with
-weights pre-packed for oneDNN (backends/cpu_linear.py), so a block of k+1 tokens costs little more than one token.
+weights pre-packed for oneDNN (backends/cpu_linear.py), so a block of k+1 tokens costs little more
+than one token.
 
 Works with the transformers 5.x Llama-family attention code path (Llama, Qwen2/3, Mistral,
 SmolLM, Gemma, Phi-3, OLMo, Granite...; any model that forwards a prepared 4D mask unchanged and
@@ -48,8 +49,9 @@ class TargetConfig:
     # CPU the weights are frozen into the graph (inductor freezing): to change them, build a new
     # Target (a changed weight raises ValueError at the next generation)
     pack_linears: Optional[bool] = None  # CPU fp32 (bf16 where supported): run linears with weights
-    # pre-packed for oneDNN (backends/cpu_linear.py; a k+1-token block then costs little more than one token). None = on wherever
-    # it applies (CPU, fp32 or supported bf16 linears, no compile); True requires it to apply
+    # pre-packed for oneDNN (backends/cpu_linear.py; a k+1-token block then costs little more than
+    # one token). None = on wherever it applies (CPU, fp32 or supported bf16 linears, no compile);
+    # True requires it to apply
     hidden_layers: Optional[tuple] = None  # None: no hidden states; else layer indices to return
     # (-1 = final normed state, as Medusa/EAGLE use; EAGLE-3 uses low/mid/high layers)
 
