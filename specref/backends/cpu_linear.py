@@ -12,8 +12,8 @@ cost 82/101/116/127 ms instead of 81/137/166/167 ms.
 `PackedLinears(model)` packs every fp32 (and, where supported, bf16) `nn.Linear` of a model once;
 `with packed.active():` swaps their forwards for the packed kernel and restores the originals on
 exit, so the user's model object is left unchanged for other code (e.g. transformers' generate).
-The packed copy costs one extra copy of the linear weights in memory. A layer whose weight changes (in place or replaced) is repacked on
-the next outermost `active()`. One-row inputs use the packed kernel too: on the default model's
+The packed copy costs one extra copy of the linear weights in memory. A layer whose weight changes
+(in place or replaced) is repacked on the next outermost `active()`. One-row inputs use the packed kernel too: on the default model's
 shapes it reads the weights faster than MKL's gemv (30 layers of linears + LM head, 2 threads:
 61 vs 77 ms median), and its rows are bit-for-bit independent of how many rows are computed
 together (checked for M = 1, 2, 11), so a token scored alone (autoregressive decoding) and the
