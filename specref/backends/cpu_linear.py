@@ -11,25 +11,25 @@ cost 82/101/116/127 ms instead of 81/137/166/167 ms.
 
 `PackedLinears(model)` packs every fp32 (and, where supported, bf16) `nn.Linear` of a model once;
 `with packed.active():` swaps their forwards for the packed kernel and restores the originals on
-exit, so the user's model object is left unchanged for other code (e.g. transformers' generate).
-The packed copy costs one extra copy of the linear weights in memory. A layer whose weight changes
-(in place or replaced) is repacked on the next outermost `active()`. One-row inputs use the packed kernel too: on the default model's
-shapes it reads the weights faster than MKL's gemv (30 layers of linears + LM head, 2 threads:
-61 vs 77 ms median), and its rows are bit-for-bit independent of how many rows are computed
-together (checked for M = 1, 2, 11), so a token scored alone (autoregressive decoding) and the
-same token scored inside a verify block get the same linear outputs. That held for every M on AVX2
-machines; on AVX-512 (AMD Zen 4) one-row products with K = 1536 take another kernel, so each shape
-is probed (`one_row_differs`) and where a row alone differs, a one-row input is computed as a block
-of two, which takes the block kernel (measured no slower there: 57 vs 78 us for the 1536 x 576
-layer in fp32; rows 2..8 always agreed with the block). Results differ from
+exit, so the user's model object is left unchanged for other code (e.g. transformers' generate). The
+packed copy costs one extra copy of the linear weights in memory. A layer whose weight changes (in
+place or replaced) is repacked on the next outermost `active()`. One-row inputs use the packed
+kernel too: on the default model's shapes it reads the weights faster than MKL's gemv (30 layers of
+linears + LM head, 2 threads: 61 vs 77 ms median), and its rows are bit-for-bit independent of how
+many rows are computed together (checked for M = 1, 2, 11), so a token scored alone (autoregressive
+decoding) and the same token scored inside a verify block get the same linear outputs. That held for
+every M on AVX2 machines; on AVX-512 (AMD Zen 4) one-row products with K = 1536 take another kernel,
+so each shape is probed (`one_row_differs`) and where a row alone differs, a one-row input is
+computed as a block of two, which takes the block kernel (measured no slower there: 57 vs 78 us for
+the 1536 x 576 layer in fp32; rows 2..8 always agreed with the block). Results differ from
 `F.linear`'s by fp32 rounding (the summation order differs). A layer shared by two models
 (`truncated_draft`) is packed once per model and stays swapped in while either packing is active.
 bf16 weights are packed too where the CPU supports oneDNN's bf16 path (`packable_dtypes()`); on an
-AMD EPYC (Zen 4, AVX-512 BF16, 2 threads) a packed bf16 linear cost 33/37 us for 1/4 rows of
-576 x 1536 against 55/58 us packed fp32 and 66/80 us bf16 `F.linear`, and the LM head 1.8 ms against
-5.0 ms (fp32 packed). fp16 only where oneDNN has an fp16 path (AVX-512 FP16, AVX-NE-CONVERT).
-Used by target.py on CPU (TargetConfig.pack_linears). Left out: training (with autograd enabled a
-layer falls back to F.linear), GPUs (not needed).
+AMD EPYC (Zen 4, AVX-512 BF16, 2 threads) a packed bf16 linear cost 33/37 us for 1/4 rows of 576 x
+1536 against 55/58 us packed fp32 and 66/80 us bf16 `F.linear`, and the LM head 1.8 ms against 5.0
+ms (fp32 packed). fp16 only where oneDNN has an fp16 path (AVX-512 FP16, AVX-NE-CONVERT). Used by
+target.py on CPU (TargetConfig.pack_linears). Left out: training (with autograd enabled a layer
+falls back to F.linear), GPUs (not needed).
 """
 from __future__ import annotations
 
