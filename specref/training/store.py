@@ -384,7 +384,9 @@ def _finish(man: dict, sources) -> None:
 
 
 def data_main(argv=None) -> int:
-    """`python -m specref data`: score the default model's feature store (resumable)."""
+    """`python -m specref data`: score the default model's feature store (resumable); with
+    --self-instruct N, first write (or finish) the --distilled folder: the target's own requests
+    (self_instruct.py) and its greedy answers, in --dtype."""
     import argparse
 
     from . import corpus
@@ -396,6 +398,14 @@ def data_main(argv=None) -> int:
     ap.add_argument("--sources", nargs="*", default=list(corpus.SOURCES), choices=list(corpus.SOURCES),
                     help="corpora to score (none: only --distilled)")
     ap.add_argument("--distilled", default=None, help="also a self-distilled data folder (data.distill)")
+    ap.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                    help="first write (or finish) --distilled: N target-written requests answered by the "
+                         "target (self_instruct.py), in --dtype")
+    ap.add_argument("--num-instructions", type=int, default=0, help="with --self-instruct: seed instructions too")
+    ap.add_argument("--passage-prompts", type=int, default=0, help="with --self-instruct: prompts quoting the "
+                                                                   "target's own answers as a passage")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="with --self-instruct: longest answer")
+    ap.add_argument("--gen-batch-size", type=int, default=64, help="with --self-instruct: prompts per batch")
     ap.add_argument("--layers", nargs="+", default=["final"], help="'final' and/or hidden_states indices")
     ap.add_argument("--max-len", type=int, default=StoreConfig.max_len)
     ap.add_argument("--batch-tokens", type=int, default=StoreConfig.batch_tokens)
@@ -410,6 +420,9 @@ def data_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.sources and not a.distilled:
         raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")
+    if (a.self_instruct or a.num_instructions or a.passage_prompts) and not a.distilled:
+        raise ValueError("--self-instruct / --num-instructions / --passage-prompts write the self-distilled "
+                         "folder: give it as --distilled FOLDER")
     if a.threads:
         torch.set_num_threads(a.threads)
     layers = tuple(x if x == "final" else int(x) for x in a.layers)
@@ -421,6 +434,18 @@ def data_main(argv=None) -> int:
     for q in target.parameters():
         q.requires_grad_(False)
     t0 = time.perf_counter()
+    if a.self_instruct or a.num_instructions or a.passage_prompts:
+        from .data import DistillConfig
+        from .self_instruct import distill
+
+        # topk 0: the store scores every position itself below
+        dcfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
+                             batch_size=a.gen_batch_size, topk=0, passage_prompts=a.passage_prompts,
+                             self_instruct=a.self_instruct)
+        dman = distill(target, tok, a.distilled, dcfg)
+        print(json.dumps({"distilled": a.distilled, "seconds": round(time.perf_counter() - t0, 1),
+                          "counts": dman["counts"]}), flush=True)
+        t0 = time.perf_counter()
     grams = corpus.dev_ngrams()
     sources = [corpus.overlap_filter(s, grams) for s in corpus.load_sources(a.sources, a.distilled, tok)]
     t_src = time.perf_counter() - t0

@@ -118,3 +118,30 @@ def test_a_model_that_never_ends_a_request_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="end-of-turn"):
         si.write_requests(_model(), _Tok(), tmp_path, cfg, progress=False)
     assert not list(tmp_path.glob("requests_*.json"))  # nothing half-written
+
+
+def test_data_command_writes_and_scores_self_distilled_answers(tmp_path, monkeypatch):
+    """`python -m specref data --sources --distilled F --self-instruct N`: one command writes F (the
+    target's requests and answers, in the model's dtype) and scores it into the store."""
+    import specref.models
+    from specref.training import corpus, store
+    from specref.training.data import iter_sequences, read_manifest
+
+    model, tok = _model(), _Tok()
+    monkeypatch.setattr(specref.models, "load_default", lambda dtype=None, device="cpu": (model.to(dtype), tok))
+    monkeypatch.setattr(corpus, "dev_ngrams", lambda *a, **k: set())
+    with pytest.raises(ValueError, match="--distilled"):
+        store.data_main(["--sources", "--self-instruct", "4", "--out", str(tmp_path / "s")])
+    args = ["--sources", "--distilled", str(tmp_path / "d"), "--self-instruct", "6", "--passage-prompts", "2",
+            "--max-new-tokens", "70", "--gen-batch-size", "4", "--out", str(tmp_path / "s"), "--max-len", "64",
+            "--batch-tokens", "256", "--shard-tokens", "200", "--topk", "4", "--dtype", "bfloat16"]
+    assert store.data_main(args) == 0
+    man = read_manifest(tmp_path / "d")
+    assert man["self_instruct"]["requests"] == 6 and man["dtype"] == "torch.bfloat16"
+    assert man["settings"]["topk"] == 0 and man["settings"]["num_instructions"] == 0
+    seqs = list(iter_sequences(tmp_path / "d"))
+    assert len(seqs) == 8 and man["counts"]["sequences"] == 8  # 6 requests + 2 passage prompts
+    scored = list(store.iter_store(tmp_path / "s", layers=()))
+    assert sorted(tuple(q.tokens.tolist()) for q in scored) == sorted(tuple(q.tokens.tolist()[:64]) for q in seqs)
+    smf = store.read_store_manifest(tmp_path / "s")
+    assert [s["name"] for s in smf["sources"]] == ["distilled"]
