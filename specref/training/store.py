@@ -420,7 +420,8 @@ def data_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.sources and not a.distilled:
         raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")
-    if (a.self_instruct or a.num_instructions or a.passage_prompts) and not a.distilled:
+    generate = bool(a.self_instruct or a.num_instructions or a.passage_prompts)  # write --distilled first
+    if generate and not a.distilled:
         raise ValueError("--self-instruct / --num-instructions / --passage-prompts write the self-distilled "
                          "folder: give it as --distilled FOLDER")
     if a.threads:
@@ -434,7 +435,7 @@ def data_main(argv=None) -> int:
     for q in target.parameters():
         q.requires_grad_(False)
     t0 = time.perf_counter()
-    if a.self_instruct or a.num_instructions or a.passage_prompts:
+    if generate:
         from .data import DistillConfig
         from .self_instruct import distill
 
