@@ -30,7 +30,11 @@ at paragraph (code: top-level statement) boundaries into chunks of about `CHUNK_
 Contamination: `overlap_filter` drops every document sharing a WORD 13-gram (lower-cased \\w+ runs,
 the GPT-3 paper's decontamination unit, Brown et al. 2020 App. C) with the development questions
 (../shared/data/spec_bench/question.jsonl, all turns); the counts before and after go to the manifest.
-Left out: target-written prompts (self-instruct); multi-document packing; near-duplicate removal.
+`passage_requests` (session 18) reuses the same real text as the PASSAGE of a request (summarise /
+answer about / extract from / translate it) that the target then answers (data.py's third stage):
+the long pasted contexts of summarisation, RAG and translation requests, which the target's own
+short answers cannot supply.
+Left out: multi-document packing; near-duplicate removal.
 """
 from __future__ import annotations
 
@@ -293,6 +297,98 @@ def load_sources(names: Sequence[str] = tuple(SOURCES), distilled_folder=None, t
     if distilled_folder:
         out.append(distilled(distilled_folder, tokenizer))
     return out
+
+
+# ----------------------------------------------------------------------------- real-passage requests
+
+LANG_NAMES = {"en": "English", "fr": "French", "de": "German", "es": "Spanish", "it": "Italian"}
+PASSAGE_REQUESTS = (  # written for specref: (category, passage language, request); {p} a passage, {l} its language
+    ("summarization", "en", "Summarize the text below in a few sentences.\n\n{p}"),
+    ("rag", "en", "Read the passage, then answer: what problem does it solve, and how?\n\nPassage:\n{p}"),
+    ("extraction", "en", "Turn the following text into a bulleted list of its key points.\n\n{p}"),
+    ("summarization", "en", "What is this document about? Give a short summary for someone in a hurry."
+                            "\n\nDocument:\n{p}"),
+    ("translation", "xx", "Translate this {l} text into English.\n\n{p}"),
+    ("rag", "en", "{p}\n\nUsing only the text above, explain its main idea to a beginner."),
+    ("extraction", "en", "List the names, commands and technical terms that appear in this text, each with "
+                         "a few words on what it is.\n\n{p}"),
+    ("translation", "xx", "What does this passage say? Give an English translation.\n\n{p}"),
+    ("summarization", "en", "Write a TL;DR of the following, then one sentence on who would need it.\n\n{p}"),
+    ("translation", "en", "Translate the first paragraph of this text into {t}.\n\n{p}"),
+    ("rag", "en", "Here is some documentation.\n\n{p}\n\nQuestion: what should a reader remember after "
+                  "reading it? Answer from the documentation."),
+    ("translation", "xx", "Please translate into English:\n\n{p}"),
+)
+
+
+def _cut(text: str, limit: int) -> str:
+    """The text's leading paragraphs (then sentences) of at most `limit` characters."""
+    out = ""
+    for para in text.split("\n\n"):
+        if len(out) + len(para) + 2 <= limit:
+            out = f"{out}\n\n{para}" if out else para
+            continue
+        if not out:  # a first paragraph too long: its leading sentences
+            for sent in re.split(r"(?<=[.!?])\s+", para):
+                if len(out) + len(sent) + 1 > limit:
+                    break
+                out = f"{out} {sent}" if out else sent
+        break
+    return out.strip()
+
+
+def passage_requests(sources: Sequence[Source], n: int, seed: int = 0, min_chars: int = 400,
+                     max_chars: int = 1600, translate_chars: int = 600,
+                     grams: Optional[Set[Tuple[str, ...]]] = None) -> Tuple[List[dict], dict]:
+    """n requests that quote REAL text as the passage (summarise it, answer about it, extract from it,
+    translate it), PASSAGE_REQUESTS in turn; returns (rows {id, category, instruction}, counts).
+
+    The passages are the assistant turns of `sources`' documents (the Python documentation, the
+    Debian Reference in five languages): real prose of a few hundred tokens, as long as a pasted
+    article or retrieved passage, which the target's own answers (data.py's second stage) are not.
+    "xx" requests translate a non-English passage (cut to translate_chars, at least min_chars // 2)
+    into English; the {t} request translates an English one into another of LANG_NAMES. A request
+    sharing a word 13-gram with `grams` (corpus.dev_ngrams) is dropped and counted. Deterministic in
+    (sources, n, seed); session 18 measured that these requests do NOT raise agreement on the
+    development answers (BENCHMARKS.md)."""
+    import random
+
+    pools: Dict[str, List[str]] = {"en": [], "xx": []}
+    langs: List[str] = []
+    for src in sources:
+        for d in src.docs:
+            body = next((c for r, c in d.messages if r == "assistant"), "")
+            lang = d.key.split(":")[0] if src.name == "debian-reference" else "en"
+            text = _cut(body, max_chars if lang == "en" else translate_chars)
+            if len(text) >= (min_chars if lang == "en" else min_chars // 2):
+                pools["en" if lang == "en" else "xx"].append(text)
+                if lang != "en":
+                    langs.append(lang)
+    if n and not (pools["en"] and pools["xx"]):
+        raise ValueError(f"passage_requests needs English and non-English passages of >= {min_chars} characters "
+                         f"(got {len(pools['en'])} and {len(pools['xx'])}): give python-docs and debian-reference")
+    rng = random.Random(seed)
+    order = {k: rng.sample(range(len(v)), len(v)) for k, v in pools.items()}
+    used = {"en": 0, "xx": 0}
+    rows, counts = [], {"requests": 0, "dev_overlap": 0, "per_category": {}}
+    i = 0
+    while len(rows) < n and i < 4 * n + 16:
+        cat, kind, tpl = PASSAGE_REQUESTS[i % len(PASSAGE_REQUESTS)]
+        i += 1
+        j = order[kind][used[kind] % len(order[kind])]
+        used[kind] += 1
+        p = pools[kind][j]
+        text = tpl.format(p=p, l=LANG_NAMES[langs[j]] if kind == "xx" else "English",
+                          t=LANG_NAMES[("fr", "de", "es", "it")[j % 4]])
+        if grams is not None and not grams.isdisjoint(word_ngrams(text)):
+            counts["dev_overlap"] += 1
+            continue
+        rows.append({"id": 300000 + len(rows), "category": "real_" + cat, "instruction": text})
+        counts["per_category"][cat] = counts["per_category"].get(cat, 0) + 1
+    counts["requests"] = len(rows)
+    counts["passages_available"] = {k: len(v) for k, v in pools.items()}
+    counts["sources"] = [src.record() for src in sources]  # name, origin, licence, documents
+    return rows, counts
 
 
 # ----------------------------------------------------------------------------- chat format

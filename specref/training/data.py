@@ -22,8 +22,9 @@ distribution that predicted its response token j), and `manifest.json` (seed, co
 fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
 the first missing shard, and read one at a time (`iter_sequences`).
 Left out: storing hidden states (heads that need them recompute them with the frozen target),
-mixing in external corpora (not tried: the second stage's passages are the target's own text),
-multi-turn conversations.
+multi-turn conversations. A third stage (`real_passages`, session 18) quotes REAL text as the
+passage instead (corpus.passage_requests: documentation prose, and the Debian Reference in four
+other languages to translate): the answers are still the target's own.
 """
 from __future__ import annotations
 
@@ -56,12 +57,14 @@ class DistillConfig:
     # answers as a passage (summarise / answer about / rewrite / proofread / translate it)
     self_instruct: int = 0  # first stage too: this many requests written by the target itself
     # (self_instruct.py, Magpie-style), answered like the seed instructions
+    real_passages: int = 0  # a third stage: requests quoting REAL text as the passage (corpus.
+    # passage_requests: summarise / answer about / extract from / translate documentation prose)
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("topk", "passage_prompts", "self_instruct"):
+        for name in ("topk", "passage_prompts", "self_instruct", "real_passages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if not self.temperature >= 0:
@@ -270,13 +273,17 @@ def passage_instructions(texts: Sequence[str], n: int, seed: int = 0, min_chars:
 
 
 def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
-            instructions_path=INSTRUCTIONS, progress: bool = True, requests=None) -> dict:
+            instructions_path=INSTRUCTIONS, progress: bool = True, requests=None, passages=None) -> dict:
     """Generate (or finish generating) the self-distilled data in out_dir; returns the manifest.
     requests: (rows, manifest record) of target-written requests when config.self_instruct > 0
-    (self_instruct.distill passes them)."""
+    (self_instruct.distill passes them); passages: (rows, manifest record) of real-passage requests
+    when config.real_passages > 0 (corpus.passage_requests; `python -m specref data` passes them)."""
     if config.self_instruct and requests is None:
         raise ValueError("config.self_instruct > 0: the requests come from self_instruct.distill, which "
                          "writes them and then calls this function")
+    if config.real_passages and (passages is None or len(passages[0]) != config.real_passages):
+        raise ValueError(f"config.real_passages = {config.real_passages}: pass that many requests as "
+                         "passages=(rows, record) (corpus.passage_requests)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = load_instructions(instructions_path, config.num_instructions, config.seed)
@@ -286,12 +293,14 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         "model_fingerprint": fingerprint(model), "model": getattr(model.config, "_name_or_path", ""),
         "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
         "corpora": "none (self-distilled only; second-stage passages are the target's own answers; "
-                   "self-instruct requests are the target's own text)",
+                   "self-instruct requests are the target's own text)" if not config.real_passages else
+                   "third-stage passages quote corpus.py's python-docs and debian-reference (see real_passages)",
     }
     old = out / "manifest.json"
     if old.is_file():
         prev = json.loads(old.read_text())
         same = {k: prev.get(k) for k in ("settings", "model_fingerprint", "num_instructions")}
+        same["settings"] = {**asdict(DistillConfig()), **(same["settings"] or {})}  # fields added later: defaults
         if same != {k: manifest[k] for k in same}:
             raise ValueError(f"{out} holds data made with other settings or another model; "
                              "use a new folder")
@@ -301,11 +310,15 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         _distill_rows(model, tokenizer, out, "shard_s", rows_si, config, progress, "self-instruct answers")
         manifest["self_instruct"] = info
     if config.passage_prompts:
-        first = [p for p in shard_paths(out) if not p.name.startswith("shard_p")]
+        first = [p for p in shard_paths(out) if not p.name.startswith(("shard_p", "shard_r"))]
         texts = [tokenizer.decode(q.tokens[q.prompt_len:].tolist(), skip_special_tokens=True)
                  for q in iter_sequences(out, first)]
         rows2 = passage_instructions(texts, config.passage_prompts, config.seed)
         _distill_rows(model, tokenizer, out, "shard_p", rows2, config, progress, "passage prompts")
+    if config.real_passages:
+        rows3, info3 = passages
+        _distill_rows(model, tokenizer, out, "shard_r", rows3, config, progress, "real-passage requests")
+        manifest["real_passages"] = info3
     counts = {"sequences": 0, "tokens": 0, "response_tokens": 0}
     for q in iter_sequences(out):
         counts["sequences"] += 1
@@ -329,7 +342,7 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
     n_shards = (len(rows) + config.shard_size - 1) // config.shard_size
     bar = tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress)
     dev = next(model.parameters()).device
-    salt = {"shard_": 0, "shard_s": 3571}.get(prefix, 7919)  # each stage its own seeds (temperature > 0)
+    salt = {"shard_": 0, "shard_s": 3571, "shard_r": 5303}.get(prefix, 7919)  # each stage its own seeds (T > 0)
     for s in range(n_shards):
         path = out / f"{prefix}{s:05d}.safetensors"
         group = rows[s * config.shard_size: (s + 1) * config.shard_size]

@@ -404,6 +404,9 @@ def data_main(argv=None) -> int:
     ap.add_argument("--num-instructions", type=int, default=0, help="with --self-instruct: seed instructions too")
     ap.add_argument("--passage-prompts", type=int, default=0, help="with --self-instruct: prompts quoting the "
                                                                    "target's own answers as a passage")
+    ap.add_argument("--real-passages", type=int, default=0, metavar="N",
+                    help="also write N requests into --distilled that quote real text as the passage "
+                         "(python-docs, debian-reference: corpus.passage_requests), answered by the target")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="with --self-instruct: longest answer")
     ap.add_argument("--gen-batch-size", type=int, default=64, help="with --self-instruct: prompts per batch")
     ap.add_argument("--layers", nargs="+", default=["final"], help="'final' and/or hidden_states indices")
@@ -420,10 +423,10 @@ def data_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.sources and not a.distilled:
         raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")
-    generate = bool(a.self_instruct or a.num_instructions or a.passage_prompts)  # write --distilled first
+    generate = bool(a.self_instruct or a.num_instructions or a.passage_prompts or a.real_passages)
     if generate and not a.distilled:
-        raise ValueError("--self-instruct / --num-instructions / --passage-prompts write the self-distilled "
-                         "folder: give it as --distilled FOLDER")
+        raise ValueError("--self-instruct / --num-instructions / --passage-prompts / --real-passages write the "
+                         "self-distilled folder: give it as --distilled FOLDER")
     if a.threads:
         torch.set_num_threads(a.threads)
     layers = tuple(x if x == "final" else int(x) for x in a.layers)
@@ -442,8 +445,17 @@ def data_main(argv=None) -> int:
         # topk 0: the store scores every position itself below
         dcfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
                              batch_size=a.gen_batch_size, topk=0, passage_prompts=a.passage_prompts,
-                             self_instruct=a.self_instruct)
-        dman = distill(target, tok, a.distilled, dcfg)
+                             self_instruct=a.self_instruct, real_passages=a.real_passages)
+        passages = None
+        if a.real_passages:
+            grams = corpus.dev_ngrams() if corpus.DEV_QUESTIONS.is_file() else None
+            passages = corpus.passage_requests(corpus.load_sources(["python-docs", "debian-reference"]),
+                                               a.real_passages, a.seed, grams=grams)
+            if len(passages[0]) < a.real_passages:
+                raise ValueError(f"--real-passages {a.real_passages}: only {len(passages[0])} requests pass the "
+                                 "development split's 13-gram filter")
+            passages[1]["dev_overlap_checked_against"] = str(corpus.DEV_QUESTIONS) if grams is not None else None
+        dman = distill(target, tok, a.distilled, dcfg, passages=passages)
         print(json.dumps({"distilled": a.distilled, "seconds": round(time.perf_counter() - t0, 1),
                           "counts": dman["counts"]}), flush=True)
         t0 = time.perf_counter()

@@ -210,3 +210,45 @@ def test_pack_respects_the_token_budget():
     assert sorted(sum(batches, [])) == list(range(7))
     assert all(len(b) * max(lengths[i] for i in b) <= 80 for b in batches)
     assert batches[0] == [1, 5]  # longest first: two of 40
+
+
+def _passage_sources():
+    """An English documentation source and a Debian-Reference-like one (keys 'lang:...')."""
+    en = [Doc("python-docs", f"d{i}", (("user", "Explain."), ("assistant", f"Paragraph {i} about lists and "
+                                                                          f"tuples, " * 12 + "\n\nMore text.")))
+          for i in range(5)]
+    xx = [Doc("debian-reference", f"{lang}:{i}#0", (("user", "Erkläre."),
+                                                      ("assistant", f"Satz {i} über Pakete und apt. " * 10)))
+          for i, lang in enumerate(("de", "fr", "es"))]
+    return [Source("python-docs", "test", "test", en), Source("debian-reference", "test", "test", xx)]
+
+
+def test_passage_requests_quote_real_text_and_drop_dev_overlap():
+    srcs = _passage_sources()
+    rows, counts = corpus.passage_requests(srcs, 24, seed=1)
+    assert len(rows) == 24 and counts["requests"] == 24 and counts["dev_overlap"] == 0
+    assert [(r["name"], r["licence"]) for r in counts["sources"]] == [("python-docs", "test"),
+                                                                     ("debian-reference", "test")]
+    assert rows == corpus.passage_requests(srcs, 24, seed=1)[0]  # deterministic
+    cats = [c for c, _, _ in corpus.PASSAGE_REQUESTS]
+    assert [r["category"] for r in rows] == ["real_" + cats[i % len(cats)] for i in range(24)]
+    en = {d.messages[1][1][:60] for d in srcs[0].docs}
+    xx = {d.messages[1][1][:60]: d.key[:2] for d in srcs[1].docs}
+    for i, r in enumerate(rows):  # every request quotes one real passage; "xx" ones a foreign one, named
+        _, kind, tpl = corpus.PASSAGE_REQUESTS[i % len(corpus.PASSAGE_REQUESTS)]
+        hit_en = [p for p in en if p in r["instruction"]]
+        hit_xx = [p for p in xx if p in r["instruction"]]
+        assert len(hit_en) + len(hit_xx) == 1, r
+        if kind == "xx":
+            assert hit_xx and "English" in r["instruction"]
+            if "{l}" in tpl:
+                assert corpus.LANG_NAMES[xx[hit_xx[0]]] in r["instruction"]
+        else:
+            assert hit_en
+    # a request sharing a 13-gram with the development questions is dropped and counted
+    grams = corpus.word_ngrams(srcs[0].docs[2].messages[1][1])
+    rows2, counts2 = corpus.passage_requests(srcs, 24, seed=1, grams=grams)
+    assert len(rows2) == 24 and counts2["dev_overlap"] > 0
+    assert not any(grams & corpus.word_ngrams(r["instruction"]) for r in rows2)
+    with pytest.raises(ValueError, match="non-English"):
+        corpus.passage_requests(srcs[:1], 4)

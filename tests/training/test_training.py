@@ -209,3 +209,30 @@ def test_distill_two_stages_and_resume(tmp_path):
         passage_instructions(["short"], 3)
     with pytest.raises(ValueError, match="passage_prompts"):
         DistillConfig(passage_prompts=-1)
+
+
+def test_distill_real_passage_stage(tmp_path):
+    from specref.training.corpus import Doc, Source, passage_requests
+    from specref.training.data import DistillConfig, distill, iter_sequences, shard_paths
+
+    model = tiny_model("llama", vocab_size=96, num_layers=1, seed=0, init_std=0.2, logit_scale=2.0)
+    model.generation_config.eos_token_id = None
+    srcs = [Source("python-docs", "t", "t", [Doc("python-docs", f"d{i}", (("user", "x"), ("assistant", f"doc {i} "
+                                                                                                   * 80)))
+                                           for i in range(3)]),
+            Source("debian-reference", "t", "t", [Doc("debian-reference", "de:0#0", (("user", "x"),
+                                                                                      ("assistant", "Satz. " * 60)))])]
+    passages = passage_requests(srcs, 5, seed=0)
+    inst = tmp_path / "inst.jsonl"
+    inst.write_text("")
+    cfg = DistillConfig(max_new_tokens=8, batch_size=4, shard_size=4, topk=4, num_instructions=0, real_passages=5)
+    with pytest.raises(ValueError, match="real_passages"):
+        distill(model, _ByteTokenizer(), tmp_path / "d", cfg, instructions_path=inst, progress=False)
+    man = distill(model, _ByteTokenizer(), tmp_path / "d", cfg, instructions_path=inst, progress=False,
+                  passages=passages)
+    assert [p.name for p in shard_paths(tmp_path / "d")] == ["shard_r00000.safetensors", "shard_r00001.safetensors"]
+    assert man["counts"]["sequences"] == 5 and man["real_passages"] == passages[1]
+    tok = _ByteTokenizer()
+    for q, r in zip(iter_sequences(tmp_path / "d"), passages[0]):  # the prompt is the request, in the template
+        assert q.tokens[: q.prompt_len].tolist() == list(tok.apply_chat_template(
+            [{"role": "user", "content": r["instruction"]}], True, True, True)["input_ids"])
