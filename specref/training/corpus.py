@@ -353,17 +353,14 @@ def passage_requests(sources: Sequence[Source], n: int, seed: int = 0, min_chars
     development answers (BENCHMARKS.md)."""
     import random
 
-    pools: Dict[str, List[str]] = {"en": [], "xx": []}
-    langs: List[str] = []
+    pools: Dict[str, List[Tuple[str, str]]] = {"en": [], "xx": []}  # kind -> [(passage, its language)]
     for src in sources:
         for d in src.docs:
             body = next((c for r, c in d.messages if r == "assistant"), "")
             lang = d.key.split(":")[0] if src.name == "debian-reference" else "en"
             text = _cut(body, max_chars if lang == "en" else translate_chars)
             if len(text) >= (min_chars if lang == "en" else min_chars // 2):
-                pools["en" if lang == "en" else "xx"].append(text)
-                if lang != "en":
-                    langs.append(lang)
+                pools["en" if lang == "en" else "xx"].append((text, lang))
     if n and not (pools["en"] and pools["xx"]):
         raise ValueError(f"passage_requests needs English and non-English passages of >= {min_chars} characters "
                          f"(got {len(pools['en'])} and {len(pools['xx'])}): give python-docs and debian-reference")
@@ -377,9 +374,8 @@ def passage_requests(sources: Sequence[Source], n: int, seed: int = 0, min_chars
         i += 1
         j = order[kind][used[kind] % len(order[kind])]
         used[kind] += 1
-        p = pools[kind][j]
-        text = tpl.format(p=p, l=LANG_NAMES[langs[j]] if kind == "xx" else "English",
-                          t=LANG_NAMES[("fr", "de", "es", "it")[j % 4]])
+        p, lang = pools[kind][j]
+        text = tpl.format(p=p, l=LANG_NAMES[lang], t=LANG_NAMES[("fr", "de", "es", "it")[j % 4]])
         if grams is not None and not grams.isdisjoint(word_ngrams(text)):
             counts["dev_overlap"] += 1
             continue
