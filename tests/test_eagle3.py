@@ -154,3 +154,21 @@ def test_weights_round_trip_and_errors(trained, tmp_path):
         with pytest.raises(ValueError):
             Eagle3TrainConfig(**bad)
     assert EagleProposer(head).hidden_layers == LAYERS  # the proposer asks the target for these
+
+
+def test_transfer_measure_scores_every_draft_position(trained, tmp_path):
+    """training/transfer.py on an EAGLE-3 head: top1_by_depth is the training's held-out
+    top1_step{j} (the head fed its own outputs for j-1 positions), top1 is position 1; eagle3_task
+    reads the file and its record."""
+    from specref.training.transfer import eagle3_task, per_category
+
+    target, head, hist, held = trained
+    res = per_category(Eagle3Task(head, Eagle3TrainConfig(eval_steps=3)), held, ["x"] * len(held), batch_size=7)
+    last = hist[-1]
+    assert res["all"]["top1_by_depth"] == pytest.approx([last[f"heldout_top1_step{j}"] for j in (1, 2, 3)])
+    assert res["all"]["top1"] == pytest.approx(last["heldout_top1"]) and res["all"]["accept"] == pytest.approx(
+        last["heldout_accept"])
+    save_eagle3(tmp_path / "e3.safetensors", head, "fp", {"heldout": {"heldout_top1": 0.25}})
+    with pytest.warns(UserWarning, match="another target"):
+        task, record = eagle3_task(target, tmp_path / "e3.safetensors")
+    assert isinstance(task, Eagle3Task) and task.module.layers == LAYERS and record["heldout"]["heldout_top1"] == 0.25

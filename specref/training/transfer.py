@@ -9,11 +9,14 @@ TrainTask's `evaluate`, exactly as on its held-out training positions. top1 = ho
 head's argmax is the target's argmax given the true context: the greedy acceptance rate of a first
 draft token. Reported per category and over all positions; for heads that draft several tokens
 from one context (Medusa's head k: token t+k+1; MTP's module d: token t+d+1, the modules before it
-teacher-forced) also per head / depth, `top1_by_depth`.
+teacher-forced) also per head / depth, `top1_by_depth`; for the EAGLE-3 head, per draft position j
+of its training-time test (its own outputs fed back for the j-1 positions before; every position
+counted from the 4th answer token on, Eagle3TrainConfig.eval_steps).
 
 The answers are evaluation data: measured on, never trained on (their folder is separate from
 every training folder). Run: `python -m specref.training.transfer --eagle OLD.safetensors
-NEW.safetensors --draft OLD.safetensors NEW.safetensors --medusa FILE --mtp FILE --answers FOLDER`.
+NEW.safetensors --draft OLD.safetensors NEW.safetensors --medusa FILE --mtp FILE --eagle3 FILE
+--answers FOLDER`.
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ def top1_by_depth(m: Dict[str, float]) -> List[float]:
 
         heads = sum(1 for key in m if re.fullmatch(r"h\d+_n", key))
         return rank_accuracies(m, heads, 1, prefix="")[:, 0].tolist()
+    if "top1_step1" in m:  # Eagle3Task: draft position j after j-1 of its own outputs
+        return [m[f"top1_step{j}"] for j in range(1, sum(key.startswith("top1_step") for key in m) + 1)]
     if "top1_1" in m:  # MTPTask
         return [m[f"top1_{d}"] for d in range(1, sum(key.startswith("top1_") for key in m) + 1)]
     return [m.get("top1", 0.0)]
@@ -109,6 +114,13 @@ def mtp_task(target, path):
     return MTPTask(load_mtp(target, path)), mtp_info(path)["record"]
 
 
+def eagle3_task(target, path):
+    from ..eagle3 import eagle3_info, load_eagle3
+    from .eagle3 import Eagle3Task
+
+    return Eagle3Task(load_eagle3(target, path)), eagle3_info(path)["record"]
+
+
 def to_markdown(results: Dict[str, dict]) -> str:
     """One row per head: held-out training top-1 (its record), then top-1 per category and all."""
     cats = sorted({c for r in results.values() for c in r["categories"] if c != "all"})
@@ -129,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--draft", nargs="*", default=[], help="trained draft files")
     ap.add_argument("--medusa", nargs="*", default=[], help="Medusa heads files")
     ap.add_argument("--mtp", nargs="*", default=[], help="MTP modules files")
+    ap.add_argument("--eagle3", nargs="*", default=[], help="EAGLE-3 head files (their layers' features)")
     ap.add_argument("--answers", required=True, help="folder of the target's answers (made on first use)")
     ap.add_argument("--question-file", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -136,12 +149,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    if not (a.eagle or a.draft or a.medusa or a.mtp):
-        raise ValueError("pass at least one head: --eagle / --draft / --medusa / --mtp FILE ...")
+    if not (a.eagle or a.draft or a.medusa or a.mtp or a.eagle3):
+        raise ValueError("pass at least one head: --eagle / --draft / --medusa / --mtp / --eagle3 FILE ...")
     if a.threads:
         torch.set_num_threads(a.threads)
     from ..models import load_default
     from .eagle import attach_features
+    from .eagle3 import attach_layer_features
 
     target, tok = load_default()
     for q in target.parameters():
@@ -150,11 +164,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.eagle or a.medusa or a.mtp:  # heads that read the target's final normed states
         with torch.no_grad():
             attach_features(target, seqs)
-    results = {}
+    results, layers = {}, None
     for kind, paths, make in (("eagle", a.eagle, eagle_task), ("draft", a.draft, draft_task),
-                              ("medusa", a.medusa, medusa_task), ("mtp", a.mtp, mtp_task)):
+                              ("medusa", a.medusa, medusa_task), ("mtp", a.mtp, mtp_task),
+                              ("eagle3", a.eagle3, eagle3_task)):  # last: it replaces the features
         for p in paths:
             task, record = make(target, p)
+            if kind == "eagle3" and task.module.layers != layers:  # (L, 3D): its low, middle, high layers
+                layers = task.module.layers
+                attach_layer_features(target, seqs, layers)
             results[f"{kind} {p}"] = {"heldout_top1": (record.get("heldout") or {}).get("heldout_top1"),
                                       "categories": per_category(task, seqs, cats)}
     print(to_markdown(results))
