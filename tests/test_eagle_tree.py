@@ -106,7 +106,7 @@ def test_tree_equals_recomputation_from_scratch(trained, cfg):
 
 
 @pytest.mark.parametrize("cfg", [
-    Eagle2Config(),  # the CPU defaults: top_k 3, depth 3, 4 nodes, min_value 0.05 (ragged)
+    Eagle2Config(),  # the CPU defaults: top_k 4, depth 2, 4 nodes, min_value 0.05 (ragged)
     Eagle2Config(top_k=1, depth=4, total_tokens=4, min_value=0.0),  # a chain
     Eagle2Config(top_k=3, depth=4, total_tokens=10, min_value=0.2),  # small ragged trees
 ])
