@@ -34,6 +34,8 @@ def train_main(argv=None) -> int:
                     "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
                     "eagle, draft: train on these stores (`python -m specref data [--distilled FOLDER]`) instead "
                     "of a self-distilled folder")
+    ap.add_argument("--init", default=None, metavar="PATH", help="eagle with --store: continue training this head "
+                    "file (e.g. specref/weights/smollm2_135m_eagle.safetensors), its draft vocabulary kept")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
     ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
     ap.add_argument("--seed", type=int, default=0)
@@ -73,6 +75,8 @@ def train_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.init is not None and not (a.method == "eagle" and a.store):
+        raise ValueError("--init continues an EAGLE-1 head on feature stores: use it with --method eagle --store")
     if a.method != "draft" and (a.measure_only is not None or a.eval):
         raise ValueError(f"--measure-only/--eval measure the draft model; measure the {a.method} method with "
                          f"`python -m specref bench --methods ar {a.method}`")
@@ -179,7 +183,7 @@ def _eagle_store(a, train_cfg: TrainConfig) -> int:
     cfg = EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls, w_reg=a.w_reg)
     target, train, held, out, rec = _from_store(a, "eagle_store", cfg.heldout_fraction)
     run_eagle_store_training(target, train, held, train_cfg, cfg, out / "eagle.safetensors", run_dir=out,
-                             data_record=rec)
+                             data_record=rec, init=a.init)
     _export(out / "eagle.safetensors", a.export)
     return 0
 

@@ -189,11 +189,23 @@ class EagleTask:
 
 def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
                              train_cfg, eagle_cfg: EagleTrainConfig, out_path, *, run_dir=None,
-                             data_record: Optional[dict] = None) -> dict:
+                             data_record: Optional[dict] = None, init=None) -> dict:
     """Train the EAGLE-1 head on sequences that carry features (a feature store's, store.py: real
-    text, self-distilled answers, or both), save it to out_path. -> record."""
+    text, self-distilled answers, or both), save it to out_path. -> record.
+
+    init: a head file (save_eagle's) to continue training from, its draft vocabulary kept
+    (eagle_cfg.draft_vocab is then unused): more data and more steps for a head whose own data is
+    gone, e.g. the committed one; None: a fresh head, its vocabulary from `train`."""
     V = target.get_output_embeddings().weight.shape[0]
-    head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
+    init_record = None
+    if init is not None:
+        from ..eagle_head import eagle_info, load_eagle
+
+        init_record = {"path": str(init), **{k: v for k, v in eagle_info(init)["record"].items()
+                                             if k in ("heldout", "train", "data", "init")}}
+        head = load_eagle(target, init).train()
+    else:
+        head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), list(train), list(heldout), train_cfg,
                  out_dir=run_dir)
     final = result.history[-1] if result.history else {}
@@ -201,6 +213,8 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
               "train_seconds": result.seconds,
               "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
               "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history}
+    if init_record is not None:
+        record["init"] = init_record
     if is_main_process():
         from ..weights import fingerprint
 

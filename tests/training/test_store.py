@@ -148,6 +148,25 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     head = load_eagle(target, tmp_path / "eagle.safetensors")
     assert eagle_info(tmp_path / "eagle.safetensors")["record"]["heldout"]["heldout_top1"] == last["heldout_top1"]
     assert EagleTask(head).evaluate(collate(held[:4], 48))["count"] > 0
+    # `train --method eagle --store S --init FILE`: training continues from that head (its first
+    # evaluation is the saved head's, its draft vocabulary kept); a fresh head starts elsewhere
+    tm = torch.arange(0, V, 2)  # another vocabulary than the store's: must not be rebuilt
+    from specref.eagle_head import EagleHead, save_eagle
+    from specref.weights import fingerprint
+
+    save_eagle(tmp_path / "init.safetensors", EagleHead(target, tm, seed=3), fingerprint(target), {"heldout": {}})
+    saved = EagleTask(load_eagle(target, tmp_path / "init.safetensors")).evaluate(collate(held, 48))
+    more = run_eagle_store_training(target, train, held, replace(tcfg, steps=10, eval_every=10),
+                                    EagleTrainConfig(draft_vocab=V), tmp_path / "more.safetensors",
+                                    init=tmp_path / "init.safetensors")
+    assert more["history"][0]["heldout_top1"] == pytest.approx(saved["top1"] / saved["count"], abs=1e-6)
+    assert more["history"][0]["heldout_top1"] != pytest.approx(first["heldout_top1"], abs=1e-6)
+    assert more["init"]["path"] == str(tmp_path / "init.safetensors")
+    assert load_eagle(target, tmp_path / "more.safetensors").token_map.equal(tm)
+    from specref.training.cli import train_main
+
+    with pytest.raises(ValueError, match="--init"):
+        train_main(["--method", "eagle", "--init", str(tmp_path / "init.safetensors")])
 
 
 def test_several_stores_train_together(tmp_path):
