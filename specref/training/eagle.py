@@ -203,7 +203,7 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
 
         init_record = {"path": str(init), **{k: v for k, v in eagle_info(init)["record"].items()
                                              if k in ("heldout", "train", "data", "init")}}
-        head = load_eagle(target, init).train()
+        head = load_eagle(target, init)  # fit() puts it in training mode
     else:
         head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), list(train), list(heldout), train_cfg,

@@ -114,11 +114,13 @@ def test_resume_skips_finished_shards(tmp_path, monkeypatch):
 
 def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     from specref.draft_model import load_trained_draft
-    from specref.eagle_head import eagle_info, load_eagle
+    from specref.eagle_head import EagleHead, eagle_info, load_eagle, save_eagle
+    from specref.training.cli import train_main
     from specref.training.data import collate
     from specref.training.draft import DraftDistillTask, DraftTrainConfig, run_draft_store_training
     from specref.training.eagle import EagleTask, EagleTrainConfig, run_eagle_store_training
     from specref.training.loop import TrainConfig
+    from specref.weights import fingerprint
 
     target = _target()
     cfg = replace(CFG, tokens=3000, layers=("final",))
@@ -151,9 +153,6 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     # `train --method eagle --store S --init FILE`: training continues from that head (its first
     # evaluation is the saved head's, its draft vocabulary kept); a fresh head starts elsewhere
     tm = torch.arange(0, V, 2)  # another vocabulary than the store's: must not be rebuilt
-    from specref.eagle_head import EagleHead, save_eagle
-    from specref.weights import fingerprint
-
     save_eagle(tmp_path / "init.safetensors", EagleHead(target, tm, seed=3), fingerprint(target), {"heldout": {}})
     saved = EagleTask(load_eagle(target, tmp_path / "init.safetensors")).evaluate(collate(held, 48))
     more = run_eagle_store_training(target, train, held, replace(tcfg, steps=10, eval_every=10),
@@ -163,8 +162,6 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     assert more["history"][0]["heldout_top1"] != pytest.approx(first["heldout_top1"], abs=1e-6)
     assert more["init"]["path"] == str(tmp_path / "init.safetensors")
     assert load_eagle(target, tmp_path / "more.safetensors").token_map.equal(tm)
-    from specref.training.cli import train_main
-
     with pytest.raises(ValueError, match="--init"):
         train_main(["--method", "eagle", "--init", str(tmp_path / "init.safetensors")])
 
