@@ -305,9 +305,11 @@ def _method_list(s: str) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("oracle", "bench", "train", "data"):  # subcommands with their own parsers
+    if argv and argv[0] in ("oracle", "bench", "train", "data", "corpus"):  # subcommands with their own parsers
         if argv[0] == "data":
             from .training.store import data_main as sub_main
+        elif argv[0] == "corpus":
+            from .training.committed_corpus import corpus_main as sub_main
         elif argv[0] == "oracle":
             from .oracle.cli import oracle_main as sub_main
         elif argv[0] == "bench":
@@ -370,6 +372,7 @@ def main(argv=None) -> int:
     sub.add_parser("bench", help="benchmark every method: python -m specref bench --help")
     sub.add_parser("train", help="train a learned proposer: python -m specref train --help")
     sub.add_parser("data", help="the feature store of real text: python -m specref data --help")
+    sub.add_parser("corpus", help="the committed training corpus: python -m specref corpus --help")
     args = ap.parse_args(argv)
     if args.cmd == "generate" and args.draft is not None and args.method is not None:
         g.error("give --method or --draft, not both")
