@@ -47,3 +47,30 @@ def test_other_target_warning_names_a_precision_change():
     with pytest.warns(UserWarning, match="another target") as rec:
         warn_if_other_target("f.safetensors", meta, tiny_model("llama", seed=1))
     assert "precision" not in str(rec[0].message)  # another fp32 model: no precision hint
+
+
+def test_int8_storage_round_trip(tmp_path):
+    """compact() stores 2-D matrices as int8 rows + fp16 scales; load_tensors dequantises them to
+    within half a quantisation step per row, and leaves 1-D tensors and the token map exact."""
+    from specref.weights import SCALE, compact
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scales
+    path = tmp_path / "head.safetensors"
+    save_weights(path, {"w": w.half(), "b": torch.randn(5, generator=g).half(),
+                        "token_map": torch.arange(4, dtype=torch.int32)}, {"format": "specref-test-1"})
+    size16 = path.stat().st_size
+    compact(path)
+    assert path.stat().st_size < 0.75 * size16
+    assert weights_info(path, "specref-test-1", "test head", "")["storage"] == "int8"
+    from safetensors.torch import load_file
+
+    raw = load_file(str(path))
+    assert raw["w"].dtype == torch.int8 and raw["w" + SCALE].shape == (64,)
+    dst = {"w": torch.zeros(64, 256), "b": torch.zeros(5)}
+    load_tensors(path, dst, "test head")
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((dst["w"] - w).abs() <= 0.51 * step + 1e-3 * w.abs()).all()
+    assert torch.equal(dst["b"], raw["b"].float()) and load_token_map(path).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="already int8"):
+        compact(path)

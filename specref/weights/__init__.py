@@ -6,6 +6,13 @@ was trained for, and a JSON `record` of how it was made (data, settings, held-ou
 modules load their files through this module and training writes them through it, so a method
 never imports training code.
 
+Storage: tensors as trained (16-bit), or `int8` (`compact`, what the committed files use): every
+2-D floating matrix as int8 with one fp16 scale per row (symmetric absmax, row r = round(W_r / s_r),
+s_r = max|W_r| / 127; the scale stored as `NAME.int8_scale`), dequantised into the module's dtype
+on load. It halves the files; its effect on agreement with the target is measured before a file
+is committed as int8 (docs/training.md). Rebuild a committed file: its train command, then
+`python -m specref.weights compact FILE`.
+
 The files committed here (`python -m specref train` rebuilds them; BENCHMARKS.md has the numbers):
   smollm2_135m_draft.safetensors   the trained 2-layer draft of the default model
   smollm2_135m_eagle.safetensors   the EAGLE-1 head of the default model
@@ -82,12 +89,52 @@ def warn_if_other_target(path, meta: dict, target: torch.nn.Module) -> None:
                       f"{other}: it stays lossless but may be accepted rarely")
 
 
-def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
-    """Copy the tensors of a file from save_weights into `expected` (name -> parameter), in place,
-    converted to each parameter's device and dtype; ValueError naming missing or unexpected names."""
+SCALE = ".int8_scale"  # suffix of a row-scale tensor in an int8 file
+
+
+def to_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Every 2-D floating matrix as int8 rows + an fp16 scale per row (absmax); others unchanged."""
+    out = {}
+    for n, w in tensors.items():
+        if w.is_floating_point() and w.dim() == 2:
+            s = (w.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # (R,)
+            out[n] = torch.round(w.float() / s[:, None]).clamp(-127, 127).to(torch.int8)  # (R, C)
+            out[n + SCALE] = s.to(torch.float16)
+        else:
+            out[n] = w
+    return out
+
+
+def from_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Undo to_int8 (float32 rows); a file without scales is returned as it is."""
+    out = {n: w for n, w in tensors.items() if not n.endswith(SCALE)}
+    for n in out:
+        if n + SCALE in tensors:
+            out[n] = out[n].float() * tensors[n + SCALE].float()[:, None]  # (R, C)
+    return out
+
+
+def compact(path) -> dict:
+    """Rewrite a trained proposer's file in int8 storage (metadata kept, `storage` added)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get("storage") == "int8":
+        raise ValueError(f"{path} is already int8")
     tensors = load_file(str(path))
+    save_weights(path, to_int8(tensors), {**meta, "storage": "int8"})
+    return {"path": str(path), "bytes": Path(path).stat().st_size}
+
+
+def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
+    """Copy the tensors of a file from save_weights into `expected` (name -> parameter), in place,
+    converted to each parameter's device and dtype (int8 files dequantised); ValueError naming
+    missing or unexpected names."""
+    from safetensors.torch import load_file
+
+    tensors = from_int8(load_file(str(path)))
     tensors.pop("token_map", None)
     if set(expected) != set(tensors):
         raise ValueError(f"{path} does not match the {what}'s parameters (missing "
@@ -103,3 +150,4 @@ def load_token_map(path) -> torch.Tensor:
 
     with safe_open(str(path), framework="pt") as f:
         return f.get_tensor("token_map").long()  # (Vd,)
+
