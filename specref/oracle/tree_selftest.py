@@ -225,27 +225,30 @@ def false_alarms_tree(fn: Callable, *, runs: int = 20, samples: int = 400, alpha
     p-values of every variant's first-token test (i.i.d. uniform under the null, up to discreteness)."""
     fails, first = 0, []
     for r in range(runs):
-        rep = check_tree_sampler(fn, samples=samples, alpha=alpha, seed=seed + r, early_stop=False, cases=cases)
-        fails += not rep.passed
+        rep = check_tree_sampler(fn, law="specinfer", samples=samples, alpha=alpha, seed=seed + r, early_stop=False,
+                                 cases=cases)
+        fails += rep.verdict == "FAIL"
         first += [t.p_value for t in rep.tests if t.name.endswith(" first") and t.dof > 0]
     return fails, first
 
 
 def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
-    """Every tree and greedy mutant must fail, every correct verifier pass; then the false-alarm rate."""
+    """Under SpecInfer's law: every tree and greedy mutant must FAIL, no correct verifier FAIL; then the
+    false-alarm rate. The lossless law: lossless_selftest.lossless_self_test."""
     small = tuple(c for c in standard_tree_cases() if c.vocab <= 6)
     runs = [("specref.rejection.verify_tree", verify_tree, "specref", "iid", samples, None),
             ("reference_tree", reference_tree, "specref", "iid", samples, None),
             ("reference_tree_without", reference_tree_without, "specref", "without", samples, None),
             ("reference_tree_plain", reference_tree_plain, "plain", "iid", max(8, samples // 20), small),
             ("reference_tree_eagle", reference_tree_eagle, "eagle", "iid", max(8, samples // 40), small)]
-    runs += [(m, tree_mutant(m), "specref", "iid", samples, None) for m in TREE_MUTANTS]
+    runs += [(m, tree_mutant(m), "specref", "without" if m in DRAWN_WITHOUT else "iid", samples, None) for m in TREE_MUTANTS]
     ok, lines = True, []
     for name, fn, api, sib, n, cases in runs:
-        rep = check_tree_sampler(fn, api=api, siblings=sib, samples=n, seed=seed, cases=cases)
+        rep = check_tree_sampler(fn, api=api, siblings=sib, law="specinfer", samples=n, seed=seed, cases=cases)
         expect = name not in TREE_MUTANTS
-        ok &= rep.passed == expect
-        lines.append(verdict_line(name, rep.passed, expect, f"{rep.samples} samples; {failure_reason(rep)}"))
+        ok &= (rep.verdict != "FAIL") == expect
+        lines.append(verdict_line(name, rep.verdict != "FAIL", expect, f"{rep.verdict}, {rep.samples} samples; "
+                                  f"{failure_reason(rep)}"))
     for name, fn in [("specref.rejection.verify_tree_greedy", verify_tree_greedy)] + [(m, greedy_mutant(m)) for m in GREEDY_MUTANTS]:
         rep = check_greedy_verifier(fn, samples=max(8, samples // 10), seed=seed)
         expect = name not in GREEDY_MUTANTS
