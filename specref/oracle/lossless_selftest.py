@@ -114,10 +114,12 @@ def seed_reused_decoder(target, draft, k: int = 2, seed: int = 1234) -> Callable
     return fn
 
 
-def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0) -> Tuple[bool, List[str]]:
+def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tree_cases=None) -> Tuple[bool, List[str]]:
     """law="lossless": every correct verifier (whatever its law) must not FAIL, every mutant must FAIL;
     law="specinfer" / "tokenwise" must FAIL the trie merge, the reversed order and block verification.
-    ks_runs > 0: per-test p-values of the correct references over ks_runs seeds uniform (ks_uniformity)."""
+    ks_runs > 0: per-test p-values of the correct references over ks_runs seeds uniform (ks_uniformity).
+    tree_cases: the cases of the iid / without tree runs (default standard_tree_cases())."""
+    tc = dict(samples=samples, seed=seed, cases=tree_cases)
     from .selftest import verdict_line
 
     chain_ok = [("specref.rejection.verify_chain", verify_chain), ("reference_chain", reference_chain),
@@ -128,15 +130,15 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0) -> 
                ("reversed_siblings_tree", reversed_siblings_tree, "iid")]
     runs = [(n, lambda f=f: check_rejection_sampler(f, samples=samples, seed=seed), True) for n, f in chain_ok]
     runs += [(m, lambda m=m: check_rejection_sampler(mutant(m), samples=samples, seed=seed), False) for m in MUTANTS]
-    runs += [(n, lambda f=f, s=s: check_tree_sampler(f, siblings=s, samples=samples, seed=seed), True) for n, f, s in tree_ok]
-    runs += [(m, lambda m=m: check_tree_sampler(tree_mutant(m), siblings="without" if m in DRAWN_WITHOUT else "iid",
-                                                samples=samples, seed=seed), False) for m in TREE_MUTANTS]
+    runs += [(n, lambda f=f, s=s: check_tree_sampler(f, siblings=s, **{**tc, "cases": None if s == "trie" else tree_cases}), True)
+             for n, f, s in tree_ok]
+    runs += [(m, lambda m=m: check_tree_sampler(tree_mutant(m), siblings="without" if m in DRAWN_WITHOUT else "iid", **tc),
+              False) for m in TREE_MUTANTS]
     stricter = [("block_verify (tokenwise law)", lambda: check_rejection_sampler(block_verify, law="tokenwise", samples=samples, seed=seed)),
-                ("trie_merge_tree (specinfer law)", lambda: check_tree_sampler(trie_merge_tree, law="specinfer", samples=samples, seed=seed)),
+                ("trie_merge_tree (specinfer law)", lambda: check_tree_sampler(trie_merge_tree, law="specinfer", **tc)),
                 ("trie_merge_tree (specinfer law, trie drafts)",
                  lambda: check_tree_sampler(trie_merge_tree, law="specinfer", siblings="trie", samples=samples, seed=seed)),
-                ("reversed_siblings_tree (specinfer law)",
-                 lambda: check_tree_sampler(reversed_siblings_tree, law="specinfer", samples=samples, seed=seed))]
+                ("reversed_siblings_tree (specinfer law)", lambda: check_tree_sampler(reversed_siblings_tree, law="specinfer", **tc))]
     ok, lines = True, []
     for name, run, correct in runs + [(n, r, False) for n, r in stricter]:
         rep = run()
