@@ -213,7 +213,7 @@ def run_tree_check(call: Callable, cases, siblings: str, law: str, samples: int,
                              // len(case.variants) * len(case.variants))
     has_fixed = any(c.variants[0].tokens is not None for c in cases)
     has_sampled = any(c.variants[0].tokens is None for c in cases)
-    draft_law = "+".join([siblings] * has_sampled + ["topk"] * (has_fixed and siblings != "topk"))
+    draft_law = "topk" if siblings == "topk" else "+".join([siblings] * has_sampled + ["topk"] * has_fixed)
     return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, what, tv_bound, law, draft_law)
 
 
