@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .adapters import APIS, Malformed, adapt, check_args  # noqa: F401 (adapt, APIS re-exported)
+from .adapters import APIS, Malformed, adapt, chain_as_tree, check_args  # noqa: F401 (adapt, APIS re-exported)
 from .cases import Case, Variant, standard_cases
 from .stats import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
 
@@ -290,30 +290,6 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
                              // len(case.variants) * len(case.variants))
     return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "sampler", tv_bound, "tokenwise",
                      "topk+iid")
-
-
-def chain_as_tree(call: Callable) -> Callable:
-    """An adapted chain sampler as a tree verifier of chains: (path (B, K), last (B,)); accepted
-    tokens that differ from the drafts, a count out of range or bad padding are Malformed."""
-    def tree_call(tok, par, lens, P, Q, gens):
-        B, K = tok.shape
-        toks, acc = call(tok, P, Q, lens, gens)
-        if toks.shape != (B, K + 1) or acc.shape != (B,):
-            raise Malformed(f"tokens of shape {tuple(toks.shape)} and num_accepted of shape {tuple(acc.shape)}, "
-                            f"expected {(B, K + 1)} and {(B,)}")
-        lens = lens.cpu().long()  # (B,)
-        pos = torch.arange(K + 1)  # (K+1,)
-        bad = {"num_accepted outside [0, length]": (acc < 0) | (acc > lens),
-               "accepted tokens differ from the drafts": ((pos[None, :K] < acc[:, None]) & (toks[:, :K] != tok.cpu())).any(1),
-               "tokens after the emitted ones are not -1": ((pos[None] > acc[:, None]) & (toks != -1)).any(1)}
-        for what, mask in bad.items():
-            if bool(mask.any()):
-                b = int(mask.nonzero()[0])
-                raise Malformed(f"{int(mask.sum())}/{B} rows: {what} (e.g. row {b}: length {int(lens[b])}, "
-                                f"tokens {toks[b].tolist()}, num_accepted {int(acc[b])})")
-        path = torch.where(pos[None, :K] < acc[:, None], pos[None, :K].expand(B, K), -1)  # (B, K)
-        return path, toks[torch.arange(B), acc.clamp(0, K)]  # (B, K), (B,)
-    return tree_call
 
 
 def decide(errors, tests, threshold: float, detectable: float, tv_bound: float) -> str:
