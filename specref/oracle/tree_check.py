@@ -1,5 +1,7 @@
 """The oracle for tree verifiers: is a tree (multi-draft) sampler lossless? Answered with p-values.
 
+law="lossless" (the default) asks only that the emitted tokens follow p prefix by prefix
+(lossless.py): any correct rule passes. law="specinfer" asks the stricter question below.
 SpecInfer's multi-step speculative sampling (Miao et al. 2024; specref.rejection.verify_tree) with
 deterministic, i.i.d. or without-replacement siblings (Sequoia, Chen et al. 2024) has an exact law
 for the outcome of a step, the cell (end node e, path tokens x_1..x_m, final token y), computed in
