@@ -7,6 +7,7 @@
   it keeps tau = the last i with eta_i <= h_i (0 if none) and emits X_1..X_tau, then y from p(. | X_<=L)
   when tau = L, else from norm(max(0, p_tau p(. | X_<=tau) - q(. | X_<=tau))). Lossless, and it
   accepts at least as much as token-wise verification: it fails the token-wise law.
+  `block_product_rule` is a mutant of it: the last i with prod min(1, p_j/q_j) >= prod eta_j (lossy).
 - `trie_merge_tree`: SpecInfer's rule on the trie of the drafted token paths (tree_selftest.reference_tree
   with merge=True), as EAGLE's evaluate_posterior does for repeated siblings: lossless, not SpecInfer's law.
 - `reversed_siblings_tree`: SpecInfer's rule trying siblings in reverse index order.
@@ -30,8 +31,10 @@ from .tree_check import check_tree_sampler
 from .tree_selftest import DRAWN_WITHOUT, TREE_MUTANTS, reference_tree, reference_tree_without, tree_mutant
 
 
-def block_verify(draft, p, q=None, *, lengths=None, generator=None) -> ChainResult:
-    """Block verification of B ragged chains: draft (B, K) -1 padded, p (B, K+1, V), q (B, K, V) or None."""
+def block_verify(draft, p, q=None, *, lengths=None, generator=None, product_rule: bool = False) -> ChainResult:
+    """Block verification of B ragged chains: draft (B, K) -1 padded, p (B, K+1, V), q (B, K, V) or None.
+    product_rule=True (a mutant): tau = the last i with prod_{j<=i} min(1, p_j/q_j) >= prod_{j<=i} eta_j
+    instead of eta_i <= h_i (lossy for L >= 2; token-wise verification for L = 1)."""
     B, K = draft.shape
     V = p.shape[-1]
     lengths = torch.full((B,), K, dtype=torch.long) if lengths is None else torch.as_tensor(lengths).long()  # (B,)
@@ -43,6 +46,7 @@ def block_verify(draft, p, q=None, *, lengths=None, generator=None) -> ChainResu
     w = torch.ones(B, dtype=torch.float64)  # (B,) p_0
     ws = [w]  # p_0..p_K
     tau = torch.zeros(B, dtype=torch.long)  # (B,)
+    ratio_prod, eta_prod = torch.ones(B, dtype=torch.float64), torch.ones(B, dtype=torch.float64)  # product_rule
     for i in range(1, K + 1):
         px, qx = P[rows, i - 1, x[:, i - 1]], Q[rows, i - 1, x[:, i - 1]]  # (B,), (B,)
         w = torch.where(qx > 0, torch.clamp(w * px / qx.clamp(min=1e-300), max=1.0), torch.zeros_like(w))  # (B,)
@@ -53,6 +57,11 @@ def block_verify(draft, p, q=None, *, lengths=None, generator=None) -> ChainResu
         else:
             h = w
         h = torch.where(i == lengths, w, h)  # h_L = p_L
+        if product_rule:
+            ratio_prod = ratio_prod * torch.where(qx > 0, torch.clamp(px / qx.clamp(min=1e-300), max=1.0), 0.0)
+            eta_prod = eta_prod * eta[:, i - 1]
+            tau = torch.where((i <= lengths) & (qx > 0) & (ratio_prod >= eta_prod), i, tau)
+            continue
         tau = torch.where((i <= lengths) & (eta[:, i - 1] <= h), i, tau)
     wt = torch.stack(ws, 1)[rows, tau]  # (B,) p_tau
     p_t = P[rows, tau]  # (B, V)
@@ -65,6 +74,11 @@ def block_verify(draft, p, q=None, *, lengths=None, generator=None) -> ChainResu
     tokens[:, :K] = torch.where(torch.arange(K)[None] < tau[:, None], draft, -1)
     tokens[rows, tau] = y
     return ChainResult(tokens, tau)
+
+
+def block_product_rule(draft, p, q=None, *, lengths=None, generator=None) -> ChainResult:
+    """The block-verification mutant (block_verify, product_rule=True) in the specref convention."""
+    return block_verify(draft, p, q, lengths=lengths, generator=generator, product_rule=True)
 
 
 def trie_merge_tree(tokens, parents, p, q=None, *, lengths=None, generator=None):
@@ -130,6 +144,7 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
                ("reversed_siblings_tree", reversed_siblings_tree, "iid")]
     runs = [(n, lambda f=f: check_rejection_sampler(f, samples=samples, seed=seed), True) for n, f in chain_ok]
     runs += [(m, lambda m=m: check_rejection_sampler(mutant(m), samples=samples, seed=seed), False) for m in MUTANTS]
+    runs += [("block_product_rule", lambda: check_rejection_sampler(block_product_rule, samples=samples, seed=seed), False)]
     runs += [(n, lambda f=f, s=s: check_tree_sampler(f, siblings=s, **{**tc, "cases": None if s == "trie" else tree_cases}), True)
              for n, f, s in tree_ok]
     runs += [(m, lambda m=m: check_tree_sampler(tree_mutant(m), siblings="without" if m in DRAWN_WITHOUT else "iid", **tc),
