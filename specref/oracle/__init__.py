@@ -3,7 +3,7 @@
     stats.py      chi-square goodness of fit / homogeneity, TV with confidence intervals, power
     cases.py      the standard (p, q, length) cases of a chain rejection step
     adapters.py   the chain calling conventions (specref, vllm, plain); argument checks shared by all
-    check.py      check_rejection_sampler: drive anyone's chain rejection sampler through the cases
+    check.py      check_rejection_sampler (lossless or token-wise law); Report and its verdict PASS/FAIL/INCONCLUSIVE
     selftest.py   known-wrong samplers (mutants) the check must reject; the transformers adapter
     generator.py  check_generator: the joint of a whole decoder's first L tokens vs the exact one
     exact.py      exact sequence distributions of tiny HF models (V^L continuations enumerated)
@@ -11,7 +11,9 @@
     tree_cases.py    token trees with known p and q tables (deterministic, sampled siblings)
     tree_exact.py    the exact law of one tree-verification step (SpecInfer; Sequoia without replacement)
     tree_adapters.py tree calling conventions (specref, plain, eagle retrieve indices)
-    tree_check.py    check_tree_sampler: chi-square of a tree verifier against the exact law
+    tree_check.py    check_tree_sampler: a tree verifier, lossless law (default) or SpecInfer's exact law
+    lossless.py      the lossless law: the emitted tokens follow p prefix by prefix (chains and trees)
+    lossless_selftest.py  block verification, trie merge, reversed order; the lossless self-test, KS
     tree_greedy.py   check_greedy_verifier: exact comparison with greedy decoding
     tree_selftest.py tree and greedy mutants, references in every convention, tree_self_test
     cli.py        `python -m specref oracle --sampler module:function [--api ...] [--tree|--greedy] | --self-test`

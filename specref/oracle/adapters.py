@@ -4,7 +4,8 @@
 layout, a one-row "plain" one) into one batched call (draft, p, q, lengths, generator) -> (tokens
 (B, K+1), num_accepted (B,)); a malformed output raises `Malformed`, which the checks report as a
 structural failure of the case instead of crashing. `check_args` validates the arguments every
-check shares (samples, seed, alpha) with a ValueError naming the argument.
+check shares (samples, seed, alpha) with a ValueError naming the argument. `chain_as_tree` turns an
+adapted chain sampler into a tree verifier of chains (the chain check's lossless law).
 """
 from __future__ import annotations
 
@@ -97,3 +98,27 @@ def adapt(fn: Callable, api: str) -> Callable:
     else:
         raise ValueError(f"api must be one of {APIS}, got {api!r}")
     return call
+
+
+def chain_as_tree(call: Callable) -> Callable:
+    """An adapted chain sampler as a tree verifier of chains: (path (B, K), last (B,)); accepted
+    tokens that differ from the drafts, a count out of range or bad padding are Malformed."""
+    def tree_call(tok, par, lens, P, Q, gens):
+        B, K = tok.shape
+        toks, acc = call(tok, P, Q, lens, gens)
+        if toks.shape != (B, K + 1) or acc.shape != (B,):
+            raise Malformed(f"tokens of shape {tuple(toks.shape)} and num_accepted of shape {tuple(acc.shape)}, "
+                            f"expected {(B, K + 1)} and {(B,)}")
+        lens = lens.cpu().long()  # (B,)
+        pos = torch.arange(K + 1)  # (K+1,)
+        bad = {"num_accepted outside [0, length]": (acc < 0) | (acc > lens),
+               "accepted tokens differ from the drafts": ((pos[None, :K] < acc[:, None]) & (toks[:, :K] != tok.cpu())).any(1),
+               "tokens after the emitted ones are not -1": ((pos[None] > acc[:, None]) & (toks != -1)).any(1)}
+        for what, mask in bad.items():
+            if bool(mask.any()):
+                b = int(mask.nonzero()[0])
+                raise Malformed(f"{int(mask.sum())}/{B} rows: {what} (e.g. row {b}: length {int(lens[b])}, "
+                                f"tokens {toks[b].tolist()}, num_accepted {int(acc[b])})")
+        path = torch.where(pos[None, :K] < acc[:, None], pos[None, :K].expand(B, K), -1)  # (B, K)
+        return path, toks[torch.arange(B), acc.clamp(0, K)]  # (B, K), (B,)
+    return tree_call

@@ -31,9 +31,12 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .adapters import APIS, Malformed, adapt, check_args  # noqa: F401 (adapt, APIS re-exported)
+from .adapters import APIS, Malformed, adapt, chain_as_tree, check_args  # noqa: F401 (adapt, APIS re-exported)
 from .cases import Case, Variant, standard_cases
 from .stats import TvResult, chi_square_gof, detectable_tv, joint_index, tv_distance
+
+CHAIN_LAWS = ("lossless", "tokenwise")
+
 
 @dataclass(frozen=True)
 class TestResult:
@@ -48,9 +51,12 @@ class TestResult:
     worst: Tuple[Tuple[str, float, float], ...]  # (cell, expected, observed), worst first
 
 
+VERDICTS = ("PASS", "FAIL", "INCONCLUSIVE")
+
+
 @dataclass(frozen=True)
 class Report:
-    passed: bool  # no structural error and every p_value >= threshold
+    passed: bool  # verdict == "PASS": no failure and the run had the power (detectable_tv <= tv_bound)
     alpha: float  # family-wise significance of the whole check
     threshold: float  # per-test significance (alpha split over looks and tests)
     tests: Tuple[TestResult, ...]
@@ -58,6 +64,12 @@ class Report:
     samples: int  # sampler rows drawn in total
     detectable_tv: float  # worst over variants of the pos-1 test's 95%-power detectable TV
     stopped_early: bool
+    verdict: str = ""  # PASS, FAIL (an error or a p-value below threshold) or INCONCLUSIVE (no failure, too little power)
+    tv_bound: float = 0.05  # the largest detectable_tv a PASS allows
+    law: str = ""  # the question asked: "lossless", "specinfer" (trees) or "tokenwise" (chains); "" for other checks
+    draft_law: str = ""  # how the drafts were drawn: "topk", "iid", "without", "trie" (lossless and specinfer checks)
+    power: Tuple[Tuple[str, float], ...] = ()  # (test, detectable TV of the output law) per depth (lossless law)
+    samples_needed: int = 0  # rows per variant that would bring detectable_tv to tv_bound (0: already there)
 
     @property
     def failures(self) -> Tuple[TestResult, ...]:
@@ -65,14 +77,21 @@ class Report:
 
     def summary(self, top: int = 5) -> str:
         fails = sorted(self.failures, key=lambda t: t.p_value)
+        verdict = self.verdict or ("PASS" if self.passed else "FAIL")
         if not self.tests and self.alpha == 0.0:  # an exact check (check_greedy_verifier)
-            return "\n".join([f"verdict: {'PASS' if self.passed else 'FAIL'} (exact comparison, {self.samples} rows)"]
+            return "\n".join([f"verdict: {verdict} (exact comparison, {self.samples} rows)"]
                              + [f"error: {e}" for e in self.errors[:top]])
+        asked = f"law {self.law}, drafts {self.draft_law}, " if self.law else ""
+        where = "worst depth of the output law" if self.power else "first position, worst variant"
         lines = [
-            f"verdict: {'PASS' if self.passed else 'FAIL'} (alpha {self.alpha:g}, per-test {self.threshold:.2e}, "
+            f"verdict: {verdict} ({asked}alpha {self.alpha:g}, per-test {self.threshold:.2e}, "
             f"{len(self.tests)} tests, {self.samples} samples{', stopped early' if self.stopped_early else ''})",
-            f"smallest TV deviation detectable with 95% power (first position, worst variant): {self.detectable_tv:.4f}",
+            f"smallest TV deviation detectable with 95% power ({where}): {self.detectable_tv:.4f} (bound {self.tv_bound:g})",
         ]
+        if verdict == "INCONCLUSIVE":
+            lines.append(f"too little power for TV {self.tv_bound:g}: about {self.samples_needed} rows per variant needed")
+        for name, det in sorted(self.power, key=lambda t: -t[1])[:top]:
+            lines.append(f"power {name}: detectable TV {det:.4f}")
         lines += [f"error: {e}" for e in self.errors[:top]]
         shown = fails[:top] or sorted(self.tests, key=lambda t: t.p_value)[:1]
         for t in shown:
@@ -205,10 +224,30 @@ def _draw_rows(case: Case, start: int, stop: int, gen: torch.Generator, device):
 
 
 def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Sequence[Case]] = None,
-                            samples: int = 50_000, alpha: float = 1e-3, seed: int = 0, early_stop: bool = True,
-                            max_joint_cells: int = 4096, per_row_generators: bool = False, device="cpu") -> Report:
+                            law: str = "lossless", samples: int = 50_000, alpha: float = 1e-3, seed: int = 0,
+                            early_stop: bool = True, max_joint_cells: int = 4096, per_row_generators: bool = False,
+                            tv_bound: float = 0.05, device="cpu") -> Report:
     """Run `fn` (see `adapt` for the calling conventions) on `samples` rows per variant of each case
-    (default: cases.standard_cases()) and test the output against the exact distribution."""
+    and test its output. law "lossless" (lossless.py; default cases tree_cases.chain_cases(), chains
+    whose p depends on the drafted prefix): the emitted tokens follow p prefix by prefix, so any
+    lossless rule passes (block verification too); law "tokenwise" (default cases
+    cases.standard_cases(), p fixed per position): the exact law of token-wise verification
+    (Leviathan et al.), a stricter question. Verdict PASS / FAIL / INCONCLUSIVE (no failure, but
+    the run's detectable TV is above tv_bound)."""
+    if law not in CHAIN_LAWS:
+        raise ValueError(f"law must be one of {CHAIN_LAWS}, got {law!r}")
+    check_args(samples, seed, alpha)
+    check_bound(tv_bound)
+    if law == "lossless":
+        from .tree_cases import TreeCase, chain_cases
+        from .tree_check import run_tree_check
+
+        cases = chain_cases() if cases is None else tuple(cases)
+        for c in cases:
+            if not isinstance(c, TreeCase) or any(v.parents != tuple(range(-1, v.n - 1)) for v in c.variants):
+                raise ValueError(f"law='lossless' takes chain-shaped TreeCases (tree_cases.chain_cases), got {c!r:.60}")
+        return run_tree_check(chain_as_tree(adapt(fn, api)), cases, "iid", "lossless", samples, alpha, seed,
+                              early_stop, max_joint_cells, per_row_generators, tv_bound, device, "sampler")
     check_args(samples, seed, alpha)
     call = adapt(fn, api)
     if cases is None:
@@ -249,17 +288,40 @@ def check_rejection_sampler(fn: Callable, *, api: str = "specref", cases: Option
 
     chunk = lambda case: max(len(case.variants), (2**22 // ((case.k + 1) * case.vocab))  # noqa: E731
                              // len(case.variants) * len(case.variants))
-    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "sampler")
+    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "sampler", tv_bound, "tokenwise",
+                     "topk+iid")
+
+
+def decide(errors, tests, threshold: float, detectable: float, tv_bound: float) -> str:
+    """FAIL on a structural error or a p-value below threshold (whatever the power); else PASS when
+    the run detects a TV deviation of tv_bound with 95% power, INCONCLUSIVE when it cannot."""
+    if errors or any(t.p_value < threshold for t in tests):
+        return "FAIL"
+    return "PASS" if detectable <= tv_bound else "INCONCLUSIVE"
+
+
+def needed(samples: int, detectable: float, tv_bound: float) -> int:
+    """Rows per variant at which detectable_tv (which scales as 1/sqrt(rows)) reaches tv_bound."""
+    if not math.isfinite(detectable) or detectable <= tv_bound:
+        return 0
+    return int(math.ceil(samples * (detectable / tv_bound) ** 2))
+
+
+def check_bound(tv_bound) -> None:
+    if isinstance(tv_bound, bool) or not isinstance(tv_bound, (int, float)) or not 0.0 < tv_bound <= 0.5:
+        raise ValueError(f"tv_bound must be in (0, 0.5], got {tv_bound!r}")
 
 
 def run_looks(cases, looks, alpha: float, threshold: float, chunk_rows: Callable, draw: Callable,
-              run: Callable, analyse: Callable, what: str) -> Report:
+              run: Callable, analyse: Callable, what: str, tv_bound: float = 0.05, law: str = "",
+              draft_law: str = "") -> Report:
     """The sequential driver of the chain and tree checks: per look, more rows of every case in
     chunks (earlier chunks kept), drawn by `draw(ci, case, start, stop)` and put through the
     implementation by `run(case, drawn) -> chunk` (raise Malformed for a bad output); a case whose
     output is malformed, or whose implementation raises, is one structural error and is not
     analysed further; `analyse(ci, case, chunks, threshold) -> (errors, tests, first tests'
-    detectable TVs, rows)`. Stops after the first look with a failure."""
+    detectable TVs, rows)`; a detectable TV may come as (test name, TV): a per-depth power line.
+    Stops after the first look with a failure. The verdict: `decide`."""
     store = [[] for _ in cases]  # per case: its chunks
     broken = {}  # case -> its structural error
     done = 0
@@ -283,8 +345,10 @@ def run_looks(cases, looks, alpha: float, threshold: float, chunk_rows: Callable
             e, t, f, n = analyse(ci, case, store[ci], threshold)
             errors, tests, firsts, total = errors + e, tests + t, firsts + f, total + n
         done = rows
-        passed = not errors and all(t.p_value >= threshold for t in tests)
-        if not passed or li == len(looks) - 1:
-            return Report(passed, alpha, threshold, tuple(tests), tuple(errors), total,
-                          max(firsts) if firsts else math.inf, li < len(looks) - 1)
+        power = tuple(f for f in firsts if isinstance(f, tuple))
+        det = max([f[1] if isinstance(f, tuple) else f for f in firsts], default=math.inf)
+        verdict = decide(errors, tests, threshold, det, tv_bound)
+        if verdict == "FAIL" or li == len(looks) - 1:
+            return Report(verdict == "PASS", alpha, threshold, tuple(tests), tuple(errors), total, det,
+                          li < len(looks) - 1, verdict, tv_bound, law, draft_law, power, needed(rows, det, tv_bound))
     raise AssertionError("unreachable")

@@ -1,4 +1,7 @@
-"""`python -m specref oracle`: check a chain or tree verifier (module:function), or self-test the oracle."""
+"""`python -m specref oracle`: check a chain or tree verifier (module:function), or self-test the oracle.
+
+Exit status: 0 PASS, 1 FAIL, 3 INCONCLUSIVE (no failure, but the run cannot detect a TV deviation of
+--tv-bound with 95% power: the summary says how many rows would), 2 a usage error."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +9,11 @@ import importlib
 from typing import Callable, List, Optional
 
 from .adapters import APIS
-from .check import check_rejection_sampler
+from .check import CHAIN_LAWS, check_rejection_sampler
 from .tree_adapters import TREE_APIS
+from .tree_check import DRAFT_LAWS, TREE_LAWS
+
+EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}
 
 
 def _load(spec: str) -> Callable:
@@ -25,8 +31,14 @@ def oracle_main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--greedy", action="store_true", help="a greedy tree verifier (check_greedy_verifier, exact)")
     ap.add_argument("--api", default="specref", help=f"calling convention: chain {APIS}, tree/greedy {TREE_APIS} "
                     "(see specref.oracle.adapters.adapt and specref.oracle.tree_adapters)")
-    ap.add_argument("--siblings", choices=("iid", "without"), default="iid",
-                    help="--tree: sampled siblings drawn i.i.d. (SpecInfer) or without replacement (Sequoia)")
+    ap.add_argument("--siblings", choices=DRAFT_LAWS, default="iid",
+                    help="--tree, the draft law: sampled siblings i.i.d. (SpecInfer), without replacement (Sequoia), "
+                    "k i.i.d. sequences a verifier may merge into a trie, or deterministic top-k siblings only")
+    ap.add_argument("--law", default="lossless", help="the question: lossless (default: the emitted tokens follow p "
+                    "prefix by prefix), or the stricter exact law of one rule: specinfer (--tree), tokenwise (chains)")
+    ap.add_argument("--tv-bound", type=float, default=0.05,
+                    help="a PASS needs the power to detect this TV deviation (default 0.05); else INCONCLUSIVE")
+    ap.add_argument("--lossless", action="store_true", help="with --self-test: the lossless mode's self-test")
     ap.add_argument("--self-test", action="store_true", help="check that the oracle rejects known-wrong samplers")
     ap.add_argument("--samples", type=int, default=None,
                     help="rows per variant (default: chain 50000, tree 20000, greedy 2000; one-row APIs 5000)")
@@ -39,8 +51,16 @@ def oracle_main(argv: Optional[List[str]] = None) -> int:
     allowed = TREE_APIS if (args.tree or args.greedy) else APIS
     if args.api not in allowed:
         ap.error(f"--api must be one of {allowed} here, got {args.api!r}")
+    laws = TREE_LAWS if args.tree else CHAIN_LAWS
+    if args.law not in laws and not args.self_test and not args.greedy:
+        ap.error(f"--law must be one of {laws} here, got {args.law!r}")
     if args.self_test:
-        if args.tree:
+        if args.lossless:
+            from .lossless_selftest import lossless_self_test
+
+            ok, lines = lossless_self_test(samples=args.samples or 4_000, seed=args.seed,
+                                           ks_runs=min(args.false_alarm_runs, 10))
+        elif args.tree:
             from .tree_selftest import tree_self_test
 
             ok, lines = tree_self_test(samples=args.samples or 4_000, seed=args.seed, false_alarm_runs=args.false_alarm_runs)
@@ -62,10 +82,11 @@ def oracle_main(argv: Optional[List[str]] = None) -> int:
     elif args.tree:
         from .tree_check import check_tree_sampler
 
-        report = check_tree_sampler(fn, api=args.api, siblings=args.siblings, samples=args.samples or (5_000 if one_row else 20_000),
-                                    alpha=args.alpha, seed=args.seed)
+        report = check_tree_sampler(fn, api=args.api, siblings=args.siblings, law=args.law,
+                                    samples=args.samples or (5_000 if one_row else 20_000), alpha=args.alpha,
+                                    seed=args.seed, tv_bound=args.tv_bound)
     else:
-        report = check_rejection_sampler(fn, api=args.api, samples=args.samples or (5_000 if one_row else 50_000),
-                                         alpha=args.alpha, seed=args.seed)
+        report = check_rejection_sampler(fn, api=args.api, law=args.law, samples=args.samples or (5_000 if one_row else 50_000),
+                                         alpha=args.alpha, seed=args.seed, tv_bound=args.tv_bound)
     print(report.summary())
-    return 0 if report.passed else 1
+    return EXIT[report.verdict]

@@ -20,7 +20,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from . import stats
-from .check import Report, TestResult
+from .check import Report, TestResult, check_bound, decide, needed
 
 
 def exact_joint(model, prompt: torch.Tensor, L: int, sampling: SamplingConfig) -> np.ndarray:
@@ -46,18 +46,20 @@ def _test(name: str, kind: str, counts: np.ndarray, probs: np.ndarray, threshold
 
 def check_generator(fn: Callable, model, prompt, *, length: int = 3, samples: int = 50_000,
                     sampling: SamplingConfig = SamplingConfig(), alpha: float = 1e-3, seed: int = 0,
-                    batch: Optional[int] = None) -> Report:
+                    batch: Optional[int] = None, tv_bound: float = 0.05) -> Report:
     """Check a whole decoder against the exact distribution of `model`.
 
     fn(input_ids (n, T) long, max_new_tokens, generator) -> tokens (n, >= length): the decoder under
     test, sampling with `sampling`'s settings from `model` (e.g. a lambda around
     specref.speculative_generate or another engine). prompt: (T,) token ids. Runs `samples` rows
-    in batches of `batch` (default: all at once).
+    in batches of `batch` (default: all at once). Verdict PASS / FAIL / INCONCLUSIVE (no failure,
+    but the joint test's detectable TV is above tv_bound).
     """
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"length must be an int >= 1, got {length!r}")
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
+    check_bound(tv_bound)
     prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
     exact = exact_joint(model, prompt, length, sampling)  # (V^L,)
     V = int(round(exact.size ** (1.0 / length)))
@@ -72,7 +74,7 @@ def check_generator(fn: Callable, model, prompt, *, length: int = 3, samples: in
             break
         rows.append(out[:, :length].cpu().numpy())
     if errors:
-        return Report(False, alpha, 0.0, (), tuple(errors), 0, float("nan"), False)
+        return Report(False, alpha, 0.0, (), tuple(errors), 0, float("nan"), False, "FAIL", tv_bound)
     toks = np.concatenate(rows)  # (S, L)
     bad = (toks < 0) | (toks >= V)
     if bad.any():
@@ -88,6 +90,8 @@ def check_generator(fn: Callable, model, prompt, *, length: int = 3, samples: in
         p_i = marg.sum(axis=axes) if axes else marg
         tests.append(_test(f"token {i + 1}", "pos", np.bincount(toks[:, i], minlength=V), p_i, threshold,
                            lambda c: f"token {c}"))
-    passed = not errors and all(t.p_value >= threshold for t in tests)
-    return Report(passed=passed, alpha=alpha, threshold=threshold, tests=tuple(tests), errors=tuple(errors),
-                  samples=int(toks.shape[0]), detectable_tv=tests[0].detectable_tv, stopped_early=False)
+    det = tests[0].detectable_tv
+    verdict = decide(errors, tests, threshold, det, tv_bound)
+    return Report(passed=verdict == "PASS", alpha=alpha, threshold=threshold, tests=tuple(tests), errors=tuple(errors),
+                  samples=int(toks.shape[0]), detectable_tv=det, stopped_early=False, verdict=verdict,
+                  tv_bound=tv_bound, samples_needed=needed(samples, det, tv_bound))

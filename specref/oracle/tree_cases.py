@@ -174,6 +174,46 @@ def standard_tree_cases(seed: int = 0, duplicates: bool = True) -> Tuple[TreeCas
     return tuple(cases)
 
 
+def sequence_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
+    """k i.i.d. draft sequences (chains from the root, each token ~ q at its path), the draft law
+    "trie" of check_tree_sampler; small vocabularies so that sequences often share a prefix (a trie
+    merge of them then differs from SpecInfer's law, not from the target's)."""
+    g = torch.Generator().manual_seed(seed + 7)
+    sm = lambda x: torch.softmax(x, -1)
+    flat = lambda x: torch.softmax(x / 3, -1)  # a q that repeats tokens often
+    V = 3
+    return (TreeCase("sequences", V, 9, (
+        _sampled(V, 3, g, sm, flat, (-1, 0, 1, -1, 3, 4, -1, 6, 7), "3 sequences of 3"),
+        _sampled(V, 2, g, sm, sm, (-1, 0, -1, 2, -1, 4, -1, 6), "4 sequences of 2"),
+        _sampled(V, 2, g, lambda x: _filtered(x, top_k=2), flat, (-1, 0, -1, 2), "2 sequences of 2, top-k p"),
+    )),)
+
+
+def chain_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
+    """Chains whose target p depends on the drafted prefix (a table over token paths, as a language
+    model's), ragged lengths, sampled and deterministic drafts: the chain check's lossless law."""
+    g = torch.Generator().manual_seed(seed + 11)
+    sm = lambda x: torch.softmax(x, -1)
+    V = 4
+    sampled = TreeCase("chain", V, 4, (
+        _sampled(V, 4, g, sm, sm, CHAIN4, "L4"),
+        _sampled(V, 2, g, lambda x: _filtered(x, top_k=3), sm, CHAIN4[:2], "L2 top-k p"),
+        _sampled(V, 1, g, sm, lambda x: torch.softmax(x / 2, -1), CHAIN4[:1], "L1"),
+        _sampled(V, 0, g, sm, sm, (), "L0"),
+    ))
+    V = 24
+    filtered = TreeCase("chain-filtered", V, 2, (
+        _sampled(V, 2, g, lambda x: _filtered(x, 0.7, top_k=8), lambda x: _filtered(x, 1.3), CHAIN4[:2], "T0.7 top-k8 vs T1.3 L2"),
+    ))
+    V = 6
+    fixed = TreeCase("chain-fixed", V, 3, (
+        _fixed(V, g, CHAIN4[:3], (2, 0, 4), sm, "L3"),
+        _fixed(V, g, CHAIN4[:3], (1, 3, 3), sm, "p(x)=0 draft L3", zero_at=1),
+        _fixed(V, g, CHAIN4[:1], (5,), sm, "L1"),
+    ))
+    return (sampled, filtered, fixed)
+
+
 # ---------------------------------------------------------------- the rows a sampler sees
 
 def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.Generator):

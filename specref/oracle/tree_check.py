@@ -1,5 +1,7 @@
 """The oracle for tree verifiers: is a tree (multi-draft) sampler lossless? Answered with p-values.
 
+law="lossless" (the default) asks only that the emitted tokens follow p prefix by prefix
+(lossless.py): any correct rule passes. law="specinfer" asks the stricter question below.
 SpecInfer's multi-step speculative sampling (Miao et al. 2024; specref.rejection.verify_tree) with
 deterministic, i.i.d. or without-replacement siblings (Sequoia, Chen et al. 2024) has an exact law
 for the outcome of a step, the cell (end node e, path tokens x_1..x_m, final token y), computed in
@@ -25,13 +27,16 @@ import numpy as np
 import torch
 
 from .adapters import check_args
-from .check import Report, TestResult, run_looks
+from .check import Report, TestResult, check_bound, run_looks
+from .lossless import lossless_tests, num_depths
 from .stats import chi_square_gof, detectable_tv, tv_distance
 from .tree_adapters import adapt_tree, path_errors
-from .tree_cases import TreeCase, depths, draw_tree_rows, standard_tree_cases
+from .tree_cases import TreeCase, depths, draw_tree_rows, sequence_cases, standard_tree_cases
 from .tree_exact import exact_cells
 
-SIBLINGS = ("iid", "without")
+SIBLINGS = ("iid", "without")  # the sampled sibling kinds of the exact SpecInfer law (tree_exact)
+DRAFT_LAWS = ("iid", "without", "trie", "topk")  # how the check draws the trees (check_tree_sampler)
+TREE_LAWS = ("lossless", "specinfer")
 
 
 def _keys(V: int, N: int, D: int):
@@ -119,28 +124,56 @@ def _records(path: np.ndarray, last: np.ndarray, tokens: np.ndarray, D: int):
 
 
 def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Sequence[TreeCase]] = None,
-                       siblings: str = "iid", samples: int = 20_000, alpha: float = 1e-3, seed: int = 0,
-                       early_stop: bool = True, max_joint_cells: int = 4096, per_row_generators: bool = False,
-                       device="cpu") -> Report:
+                       siblings: str = "iid", law: str = "lossless", samples: int = 20_000, alpha: float = 1e-3,
+                       seed: int = 0, early_stop: bool = True, max_joint_cells: int = 4096,
+                       per_row_generators: bool = False, tv_bound: float = 0.05, device="cpu") -> Report:
     """Run the tree verifier `fn` (conventions: tree_adapters) on `samples` rows per variant of each
-    case (default standard_tree_cases()); sampled siblings are drawn i.i.d. (siblings="iid", the
-    SpecInfer convention of verify_tree) or without replacement ("without", Sequoia's)."""
+    case and test its output.
+
+    law: "lossless" (lossless.py: the emitted tokens follow p prefix by prefix; any correct rule
+    passes) or "specinfer" (the exact law of SpecInfer's rule, siblings tried in index order: a
+    stricter question). siblings, the draft law: "iid" (sampled siblings i.i.d. from q, SpecInfer's),
+    "without" (without replacement, Sequoia's), "trie" (k i.i.d. sequences drawn from q as k chains
+    from the root, default cases lossless.sequence_cases(); a verifier may merge their shared
+    prefixes) or "topk" (only the deterministic cases; q None). Default cases: standard_tree_cases().
+    Verdict PASS / FAIL / INCONCLUSIVE (no failure, but detectable_tv above tv_bound)."""
     check_args(samples, seed, alpha)
-    if siblings not in SIBLINGS:
-        raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
     call = adapt_tree(fn, api)
-    cases = standard_tree_cases() if cases is None else tuple(cases)
+    return run_tree_check(call, cases, siblings, law, samples, alpha, seed, early_stop, max_joint_cells,
+                          per_row_generators, tv_bound, device)
+
+
+def run_tree_check(call: Callable, cases, siblings: str, law: str, samples: int, alpha: float, seed: int,
+                   early_stop: bool, max_joint_cells: int, per_row_generators: bool, tv_bound: float,
+                   device="cpu", what: str = "verifier") -> Report:
+    """check_tree_sampler after the adapter: call(tokens, parents, lengths, p, q, gens) -> (path, last)."""
+    if siblings not in DRAFT_LAWS:
+        raise ValueError(f"siblings must be one of {DRAFT_LAWS}, got {siblings!r}")
+    if law not in TREE_LAWS:
+        raise ValueError(f"law must be one of {TREE_LAWS}, got {law!r}")
+    check_bound(tv_bound)
+    if cases is None:
+        cases = sequence_cases() if siblings == "trie" else standard_tree_cases()
+    cases = tuple(cases)
+    if siblings == "topk":
+        cases = tuple(c for c in cases if c.variants[0].tokens is not None)
+        if not cases:
+            raise ValueError("siblings='topk' needs cases with deterministic tokens; none were given")
+    draw_as = "iid" if siblings in ("trie", "topk") else siblings  # trie: k i.i.d. sequences, chains from the root
     looks = [max(1, samples // 8), samples] if early_stop else [samples]
     plan = {}  # (case, variant) -> tests
     for ci, case in enumerate(cases):
         for vi, v in enumerate(case.variants):
-            plan[ci, vi] = _variant_tests(case, vi, "fixed" if v.tokens is not None else siblings, max_joint_cells)
+            if law == "lossless":
+                plan[ci, vi] = [None] * num_depths(v)
+            else:
+                plan[ci, vi] = _variant_tests(case, vi, "fixed" if v.tokens is not None else draw_as, max_joint_cells)
     threshold = alpha / len(looks) / max(1, sum(len(t) for t in plan.values()))
 
     def draw(ci, case, start, stop):
         s0, s1, s2 = np.random.SeedSequence([seed, ci, start]).generate_state(3)
         vid = torch.arange(start, stop) % len(case.variants)  # (B,)
-        tok, par, lens, P, Q = draw_tree_rows(case, vid, siblings, torch.Generator().manual_seed(int(s0)))
+        tok, par, lens, P, Q = draw_tree_rows(case, vid, draw_as, torch.Generator().manual_seed(int(s0)))
         gens = ([torch.Generator().manual_seed(int(s)) for s in np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
                 if per_row_generators else torch.Generator().manual_seed(int(s1)))
         return vid, tok, par, lens, P, Q, gens, int(s2)
@@ -168,14 +201,22 @@ def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Se
                                   f"{par[r, :lens[r]].tolist()}, path {path[r].tolist()}, final token {int(last[r])})")
             ok = sel & ~bad_path & ~bad_tok
             D = max(depths(v.parents), default=0)
-            t = _run_tests(name, plan[ci, vi], _records(path[ok], last[ok], tok[ok], D), thr)
+            rec = _records(path[ok], last[ok], tok[ok], D)
+            if law == "lossless":
+                t, power = lossless_tests(name, v, case.vocab, rec, thr, TestResult)
+                firsts += power
+            else:
+                t = _run_tests(name, plan[ci, vi], rec, thr)
+                firsts += [t[0].detectable_tv] if t else []
             tests += t
-            firsts += [t[0].detectable_tv] if t else []
         return errors, tests, firsts, vid.size
 
     chunk = lambda case: max(len(case.variants), (2 ** 21 // ((case.width + 1) * case.vocab))  # noqa: E731
                              // len(case.variants) * len(case.variants))
-    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, "verifier")
+    has_fixed = any(c.variants[0].tokens is not None for c in cases)
+    has_sampled = any(c.variants[0].tokens is None for c in cases)
+    draft_law = "topk" if siblings == "topk" else "+".join([siblings] * has_sampled + ["topk"] * has_fixed)
+    return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, what, tv_bound, law, draft_law)
 
 
 def _concat(chunks):

@@ -116,4 +116,4 @@ def check_greedy_verifier(fn: Callable, *, api: str = "specref", samples: int = 
                 errors.append(f"greedy/{name}: {int(mask.sum())}/{samples} rows: {what} (e.g. row {b}: parents "
                               f"{parents[b, :n].tolist()}, tokens {tokens[b, :n].tolist()}, expected {want[b]} "
                               f"(path length {int(want_m[b])}), got path {path[b, : m[b]].tolist()} emitting {got[b]})")
-    return Report(not errors, 0.0, 0.0, (), tuple(errors), total, 0.0, False)
+    return Report(not errors, 0.0, 0.0, (), tuple(errors), total, 0.0, False, "FAIL" if errors else "PASS")

@@ -14,7 +14,8 @@ import torch
 from scipy import stats
 
 from specref.oracle.cases import Variant, standard_cases
-from specref.oracle.check import _exact, adapt, check_rejection_sampler
+from specref.oracle.check import _exact, adapt
+from specref.oracle.check import check_rejection_sampler as _check
 from specref.oracle.cli import oracle_main
 from specref.oracle.selftest import (
     MUTANTS,
@@ -26,6 +27,11 @@ from specref.oracle.selftest import (
 )
 
 SMALL = standard_cases()[:2]  # the 6-token cases (q given; q None): joint tests over every cell
+
+
+def check_rejection_sampler(fn, **kw):
+    """These tests ask the token-wise law (the lossless law: test_lossless.py)."""
+    return _check(fn, **{"law": "tokenwise", **kw})
 
 
 def test_reference_samplers_pass():
@@ -44,15 +50,16 @@ def test_reference_samplers_pass():
 def test_specref_verify_chain_passes():
     rejection = pytest.importorskip("specref.rejection")
     rep = check_rejection_sampler(rejection.verify_chain, samples=10_000, seed=1)
-    assert rep.passed, rep.summary()
+    assert rep.verdict == "INCONCLUSIVE" and not rep.passed, rep.summary()  # detects TV 0.067 > bound 0.05
+    assert rep.samples_needed > 10_000
 
 
 def test_other_calling_conventions():
     # the vLLM-style flattened convention and the one-row plain convention, on the same reference
-    assert check_rejection_sampler(reference_vllm, api="vllm", samples=2_000, seed=3).passed
-    assert check_rejection_sampler(reference_plain, api="plain", samples=300, seed=3, cases=SMALL).passed
+    assert check_rejection_sampler(reference_vllm, api="vllm", samples=2_000, seed=3).verdict != "FAIL"
+    assert check_rejection_sampler(reference_plain, api="plain", samples=300, seed=3, cases=SMALL).verdict != "FAIL"
     # the adapters do not hide mistakes: a mutant through the vLLM convention still fails
-    assert not check_rejection_sampler(_vllm_mutant, api="vllm", samples=1_000, seed=3).passed
+    assert check_rejection_sampler(_vllm_mutant, api="vllm", samples=1_000, seed=3).verdict == "FAIL"
 
 
 def _vllm_mutant(draft_token_ids, num_draft_tokens, draft_probs, target_logits, generator):
@@ -87,12 +94,12 @@ def test_transformers_speculative_sampling_verdict():
     # case at this size. Full-size verdict (20,000 rows per variant, 360,000 calls, 14 min here):
     # PASS, smallest TV detectable with 95% power 0.047, min p 0.0063 against per-test 3.9e-6.
     rep = check_rejection_sampler(hf_speculative_sampling, api="plain", samples=300, seed=4)
-    assert rep.passed, rep.summary()
+    assert rep.verdict != "FAIL", rep.summary()
     # the plain path has power at this size: it rejects a plain-convention mutant
     def no_residual(p, q, draft, g):
         out = reference_chain(draft[None], p[None], None if q is None else q[None], generator=g, mistake="no_residual")
         return out.tokens[0, : int(out.num_accepted[0]) + 1]
-    assert not check_rejection_sampler(no_residual, api="plain", samples=300, seed=4, cases=SMALL).passed
+    assert check_rejection_sampler(no_residual, api="plain", samples=300, seed=4, cases=SMALL).verdict == "FAIL"
 
 
 def test_structural_errors_are_reported():
@@ -108,10 +115,10 @@ def test_structural_errors_are_reported():
 
     for fn, what in ((no_padding, "not -1"), (wrong_accepted, "differ from the drafts")):
         rep = check_rejection_sampler(fn, samples=800, cases=SMALL)
-        assert not rep.passed and any(what in e for e in rep.errors), rep.errors
+        assert rep.verdict == "FAIL" and any(what in e for e in rep.errors), rep.errors
     # drops the bonus column: a failed check naming the case, not an exception
     rep = check_rejection_sampler(lambda d, p, q, *, lengths, generator: (d, lengths), samples=8, cases=SMALL)
-    assert not rep.passed and rep.errors[0].startswith("small: malformed output") and "shape" in rep.errors[0]
+    assert rep.verdict == "FAIL" and rep.errors[0].startswith("small: malformed output") and "shape" in rep.errors[0]
 
 
 @pytest.mark.parametrize("api,fn,what", [
@@ -127,7 +134,7 @@ def test_structural_errors_are_reported():
 def test_malformed_output_is_a_failed_check(api, fn, what):
     # issue 23: every convention turns a malformed output into a structural failure naming the case
     rep = check_rejection_sampler(fn, api=api, samples=8, cases=SMALL)
-    assert not rep.passed and len(rep.errors) == 2, rep.errors
+    assert rep.verdict == "FAIL" and len(rep.errors) == 2, rep.errors
     assert rep.errors[0].startswith("small: ") and rep.errors[1].startswith("qnone: ")
     assert what in rep.errors[0], rep.errors
 
@@ -140,17 +147,18 @@ def test_per_row_generators():
     def spy(draft, p, q, *, lengths, generator):
         seen.append((type(generator), len(generator), len({id(g) for g in generator})))
         return reference_chain(draft, p, q, lengths=lengths, generator=generator)
-    assert check_rejection_sampler(spy, samples=300, cases=SMALL, per_row_generators=True).passed
+    assert check_rejection_sampler(spy, samples=300, cases=SMALL, per_row_generators=True).verdict != "FAIL"
     assert all(t is list and n == k for t, n, k in seen)
     rejection = pytest.importorskip("specref.rejection")
-    assert check_rejection_sampler(rejection.verify_chain, samples=2_000, seed=5, per_row_generators=True).passed
-    assert check_rejection_sampler(reference_plain, api="plain", samples=200, seed=5, cases=SMALL, per_row_generators=True).passed
+    assert check_rejection_sampler(rejection.verify_chain, samples=2_000, seed=5, per_row_generators=True).verdict != "FAIL"
+    assert check_rejection_sampler(reference_plain, api="plain", samples=200, seed=5, cases=SMALL,
+                                   per_row_generators=True).verdict != "FAIL"
 
     def replayed(draft, p, q, *, lengths, generator):
         state = generator[0].get_state()
         gens = [torch.Generator().set_state(state) for _ in generator]  # every row a copy of row 0's stream
         return rejection.verify_chain(draft, p, q, lengths=lengths, generator=gens)
-    assert not check_rejection_sampler(replayed, samples=300, cases=SMALL, per_row_generators=True).passed
+    assert check_rejection_sampler(replayed, samples=300, cases=SMALL, per_row_generators=True).verdict == "FAIL"
 
 
 def test_exact_distribution_by_hand():
@@ -166,10 +174,17 @@ def test_exact_distribution_by_hand():
 
 
 def test_cli(capsys):
-    assert oracle_main(["--sampler", "specref.oracle.selftest:reference_chain", "--samples", "1000"]) == 0
+    # exit status 0 PASS, 1 FAIL, 3 INCONCLUSIVE (1,000 rows per variant cannot detect TV 0.05)
+    assert oracle_main(["--sampler", "specref.oracle.selftest:reference_chain", "--samples", "1000"]) == 3
+    out = capsys.readouterr().out
+    assert "verdict: INCONCLUSIVE (law lossless" in out and "rows per variant needed" in out
+    assert oracle_main(["--sampler", "specref.oracle.selftest:reference_chain", "--samples", "1000",
+                        "--tv-bound", "0.2"]) == 0
     assert "verdict: PASS" in capsys.readouterr().out
+    assert oracle_main(["--sampler", "specref.oracle.selftest:mutant_inverted_ratio", "--samples", "1000",
+                        "--law", "tokenwise"]) == 1
+    assert "verdict: FAIL (law tokenwise" in capsys.readouterr().out
     assert oracle_main(["--sampler", "specref.oracle.selftest:mutant_inverted_ratio", "--samples", "1000"]) == 1
-    assert "verdict: FAIL" in capsys.readouterr().out
     with pytest.raises(ValueError, match="module:function"):
         oracle_main(["--sampler", "reference_chain"])
 

@@ -15,7 +15,7 @@ import specref
 from specref.oracle.cli import oracle_main
 from specref.oracle.tree_adapters import retrieve_layout
 from specref.oracle.tree_cases import depths, standard_tree_cases
-from specref.oracle.tree_check import check_tree_sampler
+from specref.oracle.tree_check import check_tree_sampler as _check
 from specref.oracle.tree_exact import exact_cells, local_law
 from specref.oracle.tree_greedy import check_greedy_verifier
 from specref.oracle.tree_selftest import (GREEDY_MUTANTS, TREE_MUTANTS, false_alarms_tree, greedy_mutant, reference_tree,
@@ -23,6 +23,11 @@ from specref.oracle.tree_selftest import (GREEDY_MUTANTS, TREE_MUTANTS, false_al
 
 CASES = standard_tree_cases()
 SMALL = tuple(c for c in CASES if c.vocab <= 6)  # V = 5, 6: full joint tests, fast one-row conventions
+
+
+def check_tree_sampler(fn, **kw):
+    """These tests ask SpecInfer's law (the lossless law: test_lossless.py)."""
+    return _check(fn, **{"law": "specinfer", **kw})
 
 
 # ---------------------------------------------------------------- the exact law
@@ -87,8 +92,9 @@ def test_cases_cover_the_issue():
 # ---------------------------------------------------------------- verifiers that must pass
 
 def test_specref_verify_tree_passes_through_the_public_api():
-    rep = specref.check_tree_sampler(specref.verify_tree, samples=3_000, seed=1)
-    assert rep.passed, rep.summary()
+    rep = specref.check_tree_sampler(specref.verify_tree, law="specinfer", samples=3_000, seed=1)
+    assert rep.verdict == "INCONCLUSIVE" and not rep.passed, rep.summary()  # detects TV 0.07 > bound 0.05
+    assert specref.check_tree_sampler(specref.verify_tree, law="specinfer", samples=3_000, seed=1, tv_bound=0.08).passed
     assert not rep.errors and not rep.stopped_early and rep.samples == 3_000 * sum(len(c.variants) for c in CASES)
     assert {t.kind for t in rep.tests} == {"pos", "length", "node", "final", "joint"}
     assert 0.06 < rep.detectable_tv < 0.08  # the power statement of this file's docstring
@@ -99,17 +105,17 @@ def test_specref_verify_tree_passes_through_the_public_api():
 def test_without_replacement_convention():
     # Sequoia's verifier passes when the siblings are drawn without replacement; specref's i.i.d.
     # verify_tree does not (its residual is wrong for such siblings): the convention matters
-    assert check_tree_sampler(reference_tree_without, siblings="without", samples=1_500, seed=2, cases=SMALL).passed
-    assert not check_tree_sampler(specref.verify_tree, siblings="without", samples=1_500, seed=2, cases=SMALL).passed
+    assert check_tree_sampler(reference_tree_without, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict != "FAIL"
+    assert check_tree_sampler(specref.verify_tree, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict == "FAIL"
 
 
 def test_one_row_conventions_and_per_row_generators():
-    assert check_tree_sampler(reference_tree_plain, api="plain", samples=120, seed=3, cases=SMALL).passed
-    assert check_tree_sampler(reference_tree_eagle, api="eagle", samples=80, seed=3, cases=SMALL).passed
-    assert check_tree_sampler(specref.verify_tree, samples=300, seed=3, cases=SMALL, per_row_generators=True).passed
+    assert check_tree_sampler(reference_tree_plain, api="plain", samples=120, seed=3, cases=SMALL).verdict != "FAIL"
+    assert check_tree_sampler(reference_tree_eagle, api="eagle", samples=80, seed=3, cases=SMALL).verdict != "FAIL"
+    assert check_tree_sampler(specref.verify_tree, samples=300, seed=3, cases=SMALL, per_row_generators=True).verdict != "FAIL"
     # the eagle adapter does not hide a mistake
     mutant = lambda c, r, lg, dq, g: reference_tree_eagle(c, r, lg, dq, g, mistake="final_from_p")
-    assert not check_tree_sampler(mutant, api="eagle", samples=80, seed=3, cases=SMALL).passed
+    assert check_tree_sampler(mutant, api="eagle", samples=80, seed=3, cases=SMALL).verdict == "FAIL"
 
 
 def test_retrieve_layout_by_hand():
@@ -163,7 +169,7 @@ def test_greedy_verifier_check():
     assert check_greedy_verifier(eagle, api="eagle", samples=300).passed
     for name, what in (("greedy_first_match", "not the longest path"), ("greedy_bonus_at_parent", "final token is not")):
         rep = check_greedy_verifier(greedy_mutant(name), samples=300)
-        assert not rep.passed and any(what in e and e.startswith("greedy/") for e in rep.errors), rep.errors
+        assert rep.verdict == "FAIL" and any(what in e and e.startswith("greedy/") for e in rep.errors), rep.errors
 
 
 # ---------------------------------------------------------------- bad input -> failed check, never a crash
@@ -187,7 +193,7 @@ def _row_bad(kind):
                                        ("not_a_path", "not a root-to-node path"), ("float", "integer")])
 def test_bad_output_is_a_failed_check(kind, what):
     rep = check_tree_sampler(_row_bad(kind), api="plain", samples=16, seed=0, cases=SMALL[:1], early_stop=False)
-    assert not rep.passed and rep.errors and any(what in e for e in rep.errors), rep.errors
+    assert rep.verdict == "FAIL" and rep.errors and any(what in e for e in rep.errors), rep.errors
     assert all(e.startswith("sampled") for e in rep.errors)  # each names the case
 
 
@@ -201,13 +207,13 @@ def test_bad_batched_output_is_a_failed_check():
            "raises": lambda *a, **k: 1 / 0, "tokens": wrong_tokens}
     for name, fn in bad.items():
         rep = check_tree_sampler(fn, samples=16, seed=0, cases=SMALL[:1], early_stop=False)
-        assert not rep.passed and rep.errors[0].startswith("sampled:"), (name, rep.errors)
+        assert rep.verdict == "FAIL" and rep.errors[0].startswith("sampled:"), (name, rep.errors)
     assert "ZeroDivisionError" in check_tree_sampler(bad["raises"], samples=8, cases=SMALL[:1]).errors[0]
     # eagle: a best_candidate that is not a row
     rep = check_tree_sampler(lambda c, r, lg, dq, g: (99, 0, 0), api="eagle", samples=8, cases=SMALL[:1])
-    assert not rep.passed and "not a path of retrieve_indices" in rep.errors[0]
+    assert rep.verdict == "FAIL" and "not a path of retrieve_indices" in rep.errors[0]
     rep = check_greedy_verifier(lambda *a, **k: None, samples=8)
-    assert not rep.passed and rep.errors[0].startswith("greedy/V2: malformed")
+    assert rep.verdict == "FAIL" and rep.errors[0].startswith("greedy/V2: malformed")
 
 
 def test_value_errors():
@@ -225,8 +231,11 @@ def test_value_errors():
 
 
 def test_cli_tree(capsys):
-    assert oracle_main(["--tree", "--sampler", "specref.rejection:verify_tree", "--samples", "400"]) == 0
-    assert "verdict: PASS" in capsys.readouterr().out
+    assert oracle_main(["--tree", "--sampler", "specref.rejection:verify_tree", "--samples", "400"]) == 3
+    assert "verdict: INCONCLUSIVE (law lossless" in capsys.readouterr().out
+    assert oracle_main(["--tree", "--sampler", "specref.rejection:verify_tree", "--samples", "400", "--law", "specinfer",
+                        "--tv-bound", "0.5"]) == 0
+    assert "verdict: PASS (law specinfer" in capsys.readouterr().out
     assert oracle_main(["--tree", "--sampler", "specref.oracle.tree_selftest:tree_mutant_no_renorm", "--samples", "400"]) == 1
     assert "verdict: FAIL" in capsys.readouterr().out
     assert oracle_main(["--greedy", "--sampler", "specref.rejection:verify_tree_greedy", "--samples", "100"]) == 0
