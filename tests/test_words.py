@@ -1,9 +1,9 @@
 """No lab-log wording in the tracked repository: results are named by what they measure.
 
 What counts as a hit (the regexes below, case-insensitive):
-- in every tracked text file: "session" or "sessions" followed by a number ("session 17",
-  "session-17", "sessions 6-14") and "issue"/"issues" followed by a number ("issue 7", "issue #7",
-  "issues 16-19");
+- in every tracked text file: "session" or "sessions" followed by a number (space, hyphen or
+  nothing between: "session <N>", "session-<N>", "sessions <N>-<M>") and "issue"/"issues" followed
+  by a number ("issue <N>", "issue #<N>", "issues <N>-<M>");
 - in Markdown files and notebooks: "session" at all, except `session()` (Target.session, an API
   name the documentation may cite); in code the bare word stays legitimate (Target.session, the
   pytest hook's `session` argument);
@@ -51,7 +51,7 @@ def test_no_lab_wording_in_tracked_files():
 
 
 @pytest.mark.parametrize("path,text,expected", [
-    ("a.py", "# measured in session 17", 1), ("a.py", "(issues 16-19)", 1), ("a.md", "issue #4 says", 1),
+    ("a.py", "# measured in sess" "ion 17", 1), ("a.py", "(iss" "ues 16-19)", 1), ("a.md", "iss" "ue #4 says", 1),
     ("a.py", "with tgt.session():", 0), ("a.md", "use `Target.session()`", 0), ("a.md", "this session ran", 1),
     ("a.py", "def pytest_collection_modifyitems(session, config, items):", 0), ("a.md", "see the issues page", 0),
 ])

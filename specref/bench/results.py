@@ -29,7 +29,8 @@ from .report import END, START, _category_table, overall_table, plot
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS_START, METHODS_END = "<!-- methods:start -->", "<!-- methods:end -->"
-BASELINES = ("hf", "hf_pld", "hf_assist")  # transformers' generate, prompt lookup, assisted generation
+BASELINES = {"hf": "transformers `generate`", "hf_pld": "transformers prompt lookup",
+             "hf_assist": "transformers assisted generation (the trained draft)"}
 
 # name -> (paper, class, lossless, notebook); a registry method missing here still gets its row
 INFO: Dict[str, Tuple[str, str, str, str]] = {
@@ -125,7 +126,7 @@ def methods_table(runs: List[dict]) -> str:
         else:
             sp, tau = "not in this run", "-"
         if m in BASELINES:
-            paper, cls, loss, nb = "transformers `generate`", "-", "exact", "-"
+            paper, cls, loss, nb = BASELINES[m], "-", "exact", "-"
         lines.append(f"| `{m}` | {paper} | {cls} | {loss} | {sp} | {tau} | {nb} |")
     lines += ["", "Speed-up: geometric mean over questions of tokens/s against `ar` in the same run; tau: tokens "
               "per target forward. From: " + "; ".join(_sources(runs, source)) + ".", METHODS_END]
