@@ -66,12 +66,14 @@ def _git(*args: str) -> str:
         return "unknown"
 
 
-def load_runs(paths: List[Path]) -> List[dict]:
-    """Each JSON as {"path", "commit", "result"}; commit: the commit that last touched the file."""
+def load_runs(paths: List[Path], commit: Optional[str] = None) -> List[dict]:
+    """Each JSON as {"path", "commit", "result"}; commit: the one given (a fresh run: HEAD), the one
+    the JSON records, or the commit that last added or changed the file."""
     runs = []
     for p in paths:
         result = json.loads(Path(p).read_text(encoding="utf-8"))
-        commit = result["meta"].get("commit") or _git("log", "-1", "--follow", "--diff-filter=AM", "--format=%h", "--", str(p))
+        commit = commit or result["meta"].get("commit") or _git(
+            "log", "-1", "--follow", "--diff-filter=AM", "--format=%h", "--", str(p))
         runs.append(dict(path=Path(p), commit=commit or "uncommitted", result=result))
     return runs
 
@@ -178,12 +180,14 @@ def _run(a) -> Tuple[List[Path], Optional[Path]]:
     from .runner import bench_main
 
     out = Path(a.bench_dir)
-    common = ["--questions", a.questions, "--max-new-tokens", str(a.max_new_tokens), "--no-progress",
-              "--markdown", "none", "--out", str(out)] + (["--threads", str(a.threads)] if a.threads else [])
-    bench_main(["--methods", *bench_methods()] + common)
+    common = ["--max-new-tokens", str(a.max_new_tokens), "--no-progress", "--markdown", "none",
+              "--out", str(out)] + (["--threads", str(a.threads)] if a.threads else [])
+    bench_main(["--methods", *bench_methods(), "--questions", a.questions] + common)
     batch = None
     if a.batch_size and a.batch_size != [1]:
-        bench_main(["--methods", *a.batch_methods, "--batch-size", *map(str, a.batch_size)] + common)
+        methods = a.batch_methods or list(METHODS) + ["hf"]
+        bench_main(["--methods", *methods, "--batch-size", *map(str, a.batch_size),
+                    "--questions", a.batch_questions] + common)
         batch = out / "batch" / "batch.json"
     return [out / "bench.json"], batch
 
@@ -198,20 +202,21 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--batch-methods", nargs="+", default=["ar", "hf", "ngram", "eagle", "hybrid"])
+    ap.add_argument("--batch-questions", default="2", help="questions per category of the batch table")
+    ap.add_argument("--batch-methods", nargs="+", default=None,
+                    help="methods of the batch table (default: every registry method and transformers' generate)")
     ap.add_argument("--from-json", nargs="+", default=None, help="render these bench JSON files; no run")
     ap.add_argument("--batch-json", default=None, help="with --from-json: a batch.json to render")
     a = ap.parse_args(argv)
+    commit = _git("rev-parse", "--short", "HEAD")
     if a.from_json:
         paths, batch_path = [Path(p) for p in a.from_json], Path(a.batch_json) if a.batch_json else None
-        commit = _git("rev-parse", "--short", "HEAD")
     else:
         paths, batch_path = _run(a)
-        commit = _git("rev-parse", "--short", "HEAD")
     for p in paths + ([batch_path] if batch_path else []):
         if not p.exists():
             raise ValueError(f"bench JSON {str(p)!r} does not exist")
-    runs = load_runs(paths)
+    runs = load_runs(paths, None if a.from_json else commit)
     batch = json.loads(batch_path.read_text(encoding="utf-8")) if batch_path else None
     out = Path(a.out)
     png = Path(a.bench_dir) / "bench.png"

@@ -65,3 +65,35 @@ def test_readme_without_block_is_an_error(tmp_path):
     readme.write_text("# no block\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no <!-- methods:start -->"):
         results.splice_readme(readme, "table")
+
+
+def test_the_run_covers_every_registry_method(tmp_path, monkeypatch):
+    """The timed run (not run here: bench_main is replaced) passes every registry method to the bench
+    and to the batch bench, then renders what the bench wrote."""
+    pytest.importorskip("matplotlib")
+    from specref.bench import runner
+
+    calls = []
+
+    def fake_bench(argv):
+        calls.append(argv)
+        out = tmp_path / "plots"
+        methods = argv[argv.index("--methods") + 1:argv.index("--batch-size" if "--batch-size" in argv else "--questions")]
+        if "--batch-size" in argv:
+            (out / "batch").mkdir(parents=True, exist_ok=True)
+            (out / "batch" / "batch.json").write_text(json.dumps(_batch()), encoding="utf-8")
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench.json").write_text(json.dumps(_result(methods)), encoding="utf-8")
+        return 0
+
+    monkeypatch.setattr(runner, "bench_main", fake_bench)
+    monkeypatch.setattr(results, "METHODS", dict(METHODS, brand_new="a method added to the registry"))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{results.METHODS_START}\n{results.METHODS_END}\n", encoding="utf-8")
+    assert results.main(["--out", str(tmp_path / "B.md"), "--readme", str(readme),
+                         "--bench-dir", str(tmp_path / "plots")]) == 0
+    single, batch = calls
+    assert set(results.METHODS) | {"hf", "hf_pld", "hf_assist"} <= set(single)
+    assert set(results.METHODS) <= set(batch) and batch[batch.index("--batch-size") + 1:][:3] == ["1", "4", "16"]
+    assert "brand_new" in readme.read_text(encoding="utf-8") and "not in this run" not in readme.read_text(encoding="utf-8")
