@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..registry import METHODS
 from .batch import batch_markdown
-from .report import END, START, _category_table, overall_table, plot
+from .report import _category_table, overall_table, plot
 
 REPO = Path(__file__).resolve().parents[2]
 METHODS_START, METHODS_END = "<!-- methods:start -->", "<!-- methods:end -->"
@@ -135,7 +135,8 @@ def methods_table(runs: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[str], commit: str, date: str) -> str:
+def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[str], commit: str, date: str,
+                        overall_png: Optional[str] = None) -> str:
     """The whole BENCHMARKS.md."""
     merged, source = merge(runs)
     meta, mach, cfg = merged["meta"], merged["meta"]["machine"], merged["meta"]["config"]
@@ -155,15 +156,38 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
              "k, c, v and the prediction: `specref/bench/report.py`.",
              "- Sources: " + "; ".join(_sources(runs, source)) + ".",
              "- The experiments behind these numbers, and older results: [docs/experiments.md](docs/experiments.md).",
-             "", "## Overall", "", overall_table(merged), "",
+             "", "## Overall", ""]
+    if overall_png:
+        parts += [f"![overall speed-up and tau per method]({overall_png})", ""]
+    parts += [overall_table(merged), "",
              "## Speed-up over `ar` per category", "", _category_table(merged, "speedup", "{:.2f}x"), "",
              "## Tokens per target forward (tau) per category", "", _category_table(merged, "tau", "{:.2f}"), ""]
     if png:
         parts += [f"![speed-up and tau per method and category]({png})", ""]
     if batch is not None:
-        b = batch_markdown(batch).replace(START, "").replace(END, "").strip()
-        parts += [b.replace("## Batch size", "## Batch size", 1), ""]
+        parts += ["\n".join(line for line in batch_markdown(batch).splitlines() if not line.startswith("<!--")), ""]
     return "\n".join(parts)
+
+
+def plot_overall(result: dict, png: Path) -> None:
+    """One horizontal bar per method: the overall speed-up over `ar`, tau written beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["summary"])[::-1]
+    o = [result["summary"][m]["overall"] for m in names]
+    fig, ax = plt.subplots(figsize=(7, 0.3 * len(names) + 1))
+    ax.barh(names, [x["speedup"] for x in o], color=["tab:gray" if m in BASELINES else "tab:blue" for m in names])
+    for i, x in enumerate(o):
+        ax.text(x["speedup"] + 0.02, i, f"{x['speedup']:.2f}x  tau {x['tau']:.2f}", va="center", fontsize=8)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("speed-up over specref autoregressive (geometric mean over questions)")
+    ax.set_xlim(0, max(x["speedup"] for x in o) * 1.35)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 def splice_readme(readme: Path, table: str) -> None:
@@ -223,8 +247,10 @@ def main(argv=None) -> int:
     merged, _ = merge(runs)
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(merged, png)
+    plot_overall(merged, png.with_name("overall.png"))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out.write_text(benchmarks_markdown(runs, batch, _rel(png, out.parent), commit, date), encoding="utf-8")
+    out.write_text(benchmarks_markdown(runs, batch, _rel(png, out.parent), commit, date,
+                                        _rel(png.with_name("overall.png"), out.parent)), encoding="utf-8")
     if a.readme != "none":
         splice_readme(Path(a.readme), methods_table(runs))
     print(f"wrote {out}, {png}" + ("" if a.readme == "none" else f", the methods table of {a.readme}"))

@@ -51,6 +51,7 @@ def test_results_document_and_readme_table(tmp_path, monkeypatch):
     assert "label brand_new" in doc and "label mtp" in doc and "## Batch size" in doc
     assert "| 4 | ar | 15.0 |" in doc
     assert "![speed-up and tau" in doc and (tmp_path / "plots" / "bench.png").exists()
+    assert "![overall speed-up" in doc and (tmp_path / "plots" / "overall.png").exists()
     text = readme.read_text(encoding="utf-8")
     assert "old table" not in text and text.startswith("# top") and text.endswith("## after\n")
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| `")}
