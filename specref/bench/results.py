@@ -38,10 +38,10 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "ngram": ("Saxena 2023 (prompt lookup)", "`NgramProposer`", "lossless", "06"),
     "lookahead": ("Fu et al. 2024", "`LookaheadProposer`", "lossless", "06"),
     "draft": ("Leviathan et al. 2023; Chen et al. 2023", "`DraftModelProposer`", "lossless", "05"),
-    "eagle": ("Li et al. 2024 (EAGLE)", "`EagleProposer`", "lossless", "10"),
-    "eagle2": ("Li et al. 2024 (EAGLE-2)", "`Eagle2Proposer`", "lossless", "10"),
-    "eagle3": ("Li et al. 2025 (EAGLE-3)", "`EagleProposer` + `Eagle3Head`", "lossless", "10"),
-    "eagle3_tree": ("Li et al. 2025 (EAGLE-3), EAGLE-2 tree", "`Eagle2Proposer`", "lossless", "10"),
+    "eagle": ("Li et al. 2024 (EAGLE)", "`EagleProposer`", "lossless", "11"),
+    "eagle2": ("Li et al. 2024 (EAGLE-2)", "`Eagle2Proposer`", "lossless", "11"),
+    "eagle3": ("Li et al. 2025 (EAGLE-3)", "`EagleProposer` + `Eagle3Head`", "lossless", "11"),
+    "eagle3_tree": ("Li et al. 2025 (EAGLE-3), EAGLE-2 tree", "`Eagle2Proposer`", "lossless", "11"),
     "hybrid": ("prompt lookup + EAGLE", "`HybridProposer`", "lossless", "10"),
     "hybrid_tree": ("prompt lookup + EAGLE, one tree", "`HybridProposer`", "lossless", "10"),
     "hybrid_draft": ("prompt lookup + draft model", "`HybridProposer`", "lossless", "10"),
@@ -50,7 +50,7 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "medusa": ("Cai et al. 2024 (Medusa)", "`MedusaProposer`", "lossless", "09"),
     "medusa_typical": ("Cai et al. 2024 (typical acceptance)", "`MedusaProposer`", "**lossy** at T > 0", "09"),
     "hybrid_medusa": ("prompt lookup + Medusa", "`HybridProposer`", "lossless", "09"),
-    "mtp": ("Gloeckle et al. 2024; DeepSeek-V3 (MTP)", "`MTPProposer`", "lossless", "10"),
+    "mtp": ("Gloeckle et al. 2024; DeepSeek-V3 (MTP)", "`MTPProposer`", "lossless", "11"),
 }
 
 
