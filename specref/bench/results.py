@@ -220,7 +220,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specref.bench.results", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(REPO / "BENCHMARKS.md"), help="the results document to write")
-    ap.add_argument("--readme", default=str(REPO / "README.md"), help="README whose methods table is replaced ('none': skip)")
+    ap.add_argument("--readme", default=str(REPO / "README.md"),
+                    help="README whose methods table is replaced ('none': skip)")
     ap.add_argument("--bench-dir", default=str(REPO / "benchmarks" / "results"), help="folder of the JSON and plots")
     ap.add_argument("--questions", default="1", help="questions per category, or 'all'")
     ap.add_argument("--max-new-tokens", type=int, default=128)
