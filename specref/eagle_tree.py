@@ -46,8 +46,8 @@ class Eagle2Config:
     forwards for W = 1/3-4/5-6/8/11 (~0.045 per extra token), and one frontier step of the head
     ~0.07-0.08. Measured side by side with autoregressive decoding on TRAINING-side prompts
     (specref/data/instructions.jsonl: not the evaluation set, not in the committed heads' data),
-    64 greedy tokens (BENCHMARKS.md, sessions 10 and 20): trees of 10-15 nodes at depth 5-6 reach
-    tau 2.4-2.6 but run slower than 4-5 nodes; with the session-17 head, depth 2 beat depth 3 at
+    64 greedy tokens (docs/experiments.md, EAGLE-2 trees): trees of 10-15 nodes at depth 5-6 reach
+    tau 2.4-2.6 but run slower than 4-5 nodes; with the EAGLE-1 head of 2026-12-02, depth 2 beat depth 3 at
     the same node count in two independent sets of 22 prompts (top_k 4, 4 nodes: 1.43x / 1.45x;
     top_k 3, depth 3, 4 nodes: 1.39x / 1.36x; the EAGLE-1 chain 1.23x / 1.29x) at equal tau
     (1.71-1.77): a third level is one more head step per draft and adds an accepted token in few

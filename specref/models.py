@@ -44,7 +44,7 @@ TINY_ARCHS = (
     "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3_text", "phi3", "olmo", "granite",
     "smollm3", "starcoder2", "gpt_neox", "gpt2", "qwen3_moe",
 )
-# The Llama family: the architectures every method must support (issue 3); parametrize here.
+# The Llama family: the architectures every method must support; parametrize here.
 CORE_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 

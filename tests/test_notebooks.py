@@ -28,7 +28,7 @@ NOTEBOOKS = strip.notebooks(NB_DIR)
 
 
 def test_one_notebook_per_line_of_the_issue():
-    # issue 8 lists 8 subjects (01_ .. 08_), issue 17 adds 09_medusa: numbered consecutively from 01_
+    # the 8 first subjects (01_ .. 08_), then 09_medusa and on: numbered consecutively from 01_
     assert [p.name[:3] for p in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, max(len(NOTEBOOKS), 9) + 1)]
 
 

@@ -132,7 +132,7 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     mach, cfg = meta["machine"], meta["config"]
     la = lambda v: "n/a" if v is None else ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
     hf = summ.get("hf", {}).get("overall")
-    parts = [START, "## Spec-Bench: every method side by side (issue 7)", "",
+    parts = [START, "## Spec-Bench: every method side by side", "",
              f"Regenerate with `{meta['command']}` (`--questions all` for the whole split).", "",
              f"- Date: {meta['date']}; run took {meta['duration_s'] / 60:.1f} min.",
              f"- Machine: {mach['cpu']}, {mach['cores']} cores, torch threads {mach['threads']}"

@@ -288,7 +288,7 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--attn", default=None, choices=("eager", "sdpa"),
                     help="the model's attention implementation (default: as loaded, sdpa); bf16 with "
-                         "eager attention was block-invariant here (BENCHMARKS.md, bf16 on CPU)")
+                         "eager attention was block-invariant here (docs/experiments.md, bf16 on CPU)")
     ap.add_argument("--question-file", default=None, help="Spec-Bench-format JSONL (default: found)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")
     ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft, and "

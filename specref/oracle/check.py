@@ -18,7 +18,7 @@ A sampler's malformed output (None, a wrong shape or count, an exception) fails 
 structural error naming the case; it never crashes the check. per_row_generators=True passes one
 torch.Generator per row (a list; the plain convention gets row b's) instead of one for the batch.
 
-Left out: whole decoders (check_generator: see the report of issue 6), typical acceptance. Trees:
+Left out: whole decoders (check_generator: a whole decoder is not a verifier), typical acceptance. Trees:
 tree_check.py. The standard cases live in cases.py, the mutants and the worked transformers example
 in selftest.py, the command line in cli.py.
 """

@@ -30,7 +30,7 @@ at paragraph (code: top-level statement) boundaries into chunks of about `CHUNK_
 Contamination: `overlap_filter` drops every document sharing a WORD 13-gram (lower-cased \\w+ runs,
 the GPT-3 paper's decontamination unit, Brown et al. 2020 App. C) with the development questions
 (../shared/data/spec_bench/question.jsonl, all turns); the counts before and after go to the manifest.
-`passage_requests` (session 18) reuses the same real text as the PASSAGE of a request (summarise /
+`passage_requests` reuses the same real text as the PASSAGE of a request (summarise /
 answer about / extract from / translate it) that the target then answers (data.py's third stage):
 the long pasted contexts of summarisation, RAG and translation requests, which the target's own
 short answers cannot supply.
@@ -349,8 +349,8 @@ def passage_requests(sources: Sequence[Source], n: int, seed: int = 0, min_chars
     "xx" requests translate a non-English passage (cut to translate_chars, at least min_chars // 2)
     into English; the {t} request translates an English one into another of LANG_NAMES. A request
     sharing a word 13-gram with `grams` (corpus.dev_ngrams) is dropped and counted. Deterministic in
-    (sources, n, seed); session 18 measured that these requests do NOT raise agreement on the
-    development answers (BENCHMARKS.md)."""
+    (sources, n, seed); these requests did NOT raise agreement on the development answers
+    (docs/experiments.md, real passages)."""
     import random
 
     pools: Dict[str, List[Tuple[str, str]]] = {"en": [], "xx": []}  # kind -> [(passage, its language)]

@@ -22,7 +22,7 @@ distribution that predicted its response token j), and `manifest.json` (seed, co
 fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
 the first missing shard, and read one at a time (`iter_sequences`).
 Left out: storing hidden states (heads that need them recompute them with the frozen target),
-multi-turn conversations. A third stage (`real_passages`, session 18) quotes REAL text as the
+multi-turn conversations. A third stage (`real_passages`) quotes REAL text as the
 passage instead (corpus.passage_requests: documentation prose, and the Debian Reference in four
 other languages to translate): the answers are still the target's own.
 """

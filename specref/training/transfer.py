@@ -1,7 +1,7 @@
 """Does a proposer's training data transfer? Teacher-forced agreement on the target's own answers.
 
 A head's held-out agreement measures it on text like its training text; what pays is agreement on
-what the target writes when it serves real prompts. So (issue 16's measure (b)): the target answers
+what the target writes when it serves real prompts. So (measure (b) of the heads' studies): the target answers
 the first turn of every evaluation question (greedy, through the chat template, batched, with
 data._distill_rows: the same code that makes the training data), its top-k log-probs stored at
 every answer position; then each head is scored teacher-forced on those sequences with its own

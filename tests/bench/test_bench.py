@@ -21,7 +21,7 @@ QUESTIONS = [  # Spec-Bench format: question_id, category, turns (only the first
                                                                "The cat sat on the mat again."]},
     {"question_id": 8, "category": "coding", "turns": ["def f(x): return x + 1  # explain f"]},
 ]
-OTHER = "## Trained draft (issue 4)\n\nnumbers of another engineer\n"
+OTHER = "## Trained draft\n\nnumbers of another engineer\n"
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ def test_structural_errors_are_reported():
     ("specref", lambda d, p, q, *, lengths, generator: 1 / 0, "raised ZeroDivisionError"),
 ])
 def test_malformed_output_is_a_failed_check(api, fn, what):
-    # issue 23: every convention turns a malformed output into a structural failure naming the case
+    # every convention turns a malformed output into a structural failure naming the case
     rep = check_rejection_sampler(fn, api=api, samples=8, cases=SMALL)
     assert rep.verdict == "FAIL" and len(rep.errors) == 2, rep.errors
     assert rep.errors[0].startswith("small: ") and rep.errors[1].startswith("qnone: ")
