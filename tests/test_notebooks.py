@@ -11,6 +11,8 @@ nbclient's CellExecutionError with the cell's traceback. The notebooks assert th
 behaviour fails here, not just a run that crashes. Every notebook must render at least one plot.
 """
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import nbformat
@@ -49,6 +51,10 @@ def _stale(nb) -> list:
             why.append(f"code cell {i} has no outputs")
         if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
             why.append(f"code cell {i} holds an error")
+        text = json.dumps(cell.get("outputs", []))
+        if any(len(local) > 1 and local in text for local in (str(Path.home()), sys.prefix, sys.base_prefix,
+                                                              str(NB_DIR.parent))):
+            why.append(f"code cell {i} prints a path of this machine (home, Python or checkout)")
     return why
 
 
@@ -77,6 +83,8 @@ def test_stale_outputs_detected():
     nb.metadata[strip.META_KEY]["source_sha256"] = strip.source_hash(nb)
     nb.cells[1].outputs = [nbformat.v4.new_output("error", ename="E", evalue="", traceback=[])]
     assert _stale(nb) == ["code cell 1 holds an error"]
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", name="stderr", text=f"{sys.prefix}/lib/x.py:1: Warning")]
+    assert _stale(nb) == ["code cell 1 prints a path of this machine (home, Python or checkout)"]
     nb.cells[1].outputs = []
     assert _stale(nb) == ["code cell 1 has no outputs"]
 
