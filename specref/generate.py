@@ -6,6 +6,8 @@ Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): eac
   3. accept   - rejection.py accepts a prefix (a tree path) and emits one recovered or bonus token
                 per row; the row keeps them up to its token budget and its first eos;
   4. roll back - the KV cache keeps the accepted slots; the proposer is told what was accepted.
+Before the loop, _prepare reads transformers' conventions, checks every argument and allocates the
+context, the output buffers and the target's cache (one _Run); then a prefill opens the first step.
 Every emitted token comes out of step 3, so the output is distributed exactly as direct sampling
 from the target with the same sampling settings (proven by the chi-square tests), and under greedy
 decoding it is token-for-token the target's greedy output. The one exception is opt-in: a proposer
