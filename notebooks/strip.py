@@ -1,13 +1,16 @@
-"""Strip outputs from the stored notebooks (they are committed without outputs).
+"""The notebooks' bookkeeping: their list, the hash of their code, and stripping outputs.
 
-    python notebooks/strip.py            # strip every notebooks/*.ipynb in place
+The notebooks are committed WITH the outputs of their reduced-size run (`python notebooks/run_all.py`
+writes them, with `source_hash` of the code it ran in the notebook's metadata; tests/test_notebooks.py
+checks that the stored code still has that hash). Stripping is for a reader who wants a clean copy:
+
+    python notebooks/strip.py            # strip every notebooks/*.ipynb in place (then re-run run_all.py)
     python notebooks/strip.py --check    # exit 1 and list the notebooks that hold outputs
-
-Executed copies come from `python notebooks/run_all.py --out executed/` (not committed).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -19,6 +22,19 @@ HERE = Path(__file__).resolve().parent
 def notebooks(folder: Path = HERE) -> list:
     """The teaching notebooks, in order (01_, 02_, ... numbered consecutively)."""
     return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+
+
+META_KEY = "specref"  # nb.metadata[META_KEY] = {"source_sha256": ..., "small": bool}, set by run_all.py
+
+
+def source_hash(nb) -> str:
+    """sha256 of the code cells' sources, in order (markdown edits need no re-run)."""
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            h.update(cell.source.encode("utf-8"))
+            h.update(b"\x00")  # a cell boundary: moving a line across cells changes the hash
+    return h.hexdigest()
 
 
 def has_outputs(nb) -> bool:

@@ -41,24 +41,19 @@ from .target import additive_mask, attending
 @dataclass(frozen=True)
 class Eagle2Config:
     """Settings of the EAGLE-2 dynamic tree. The paper's GPU sizes (total_tokens 60, depth 6,
-    top_k 10) assume a verify forward whose cost is flat in the block width. On this CPU (2 cores,
-    the default model, packed linears) a block of W tokens costs ~1.0/1.2/1.3/1.4/1.55 one-token
-    forwards for W = 1/3-4/5-6/8/11 (~0.045 per extra token), and one frontier step of the head
-    ~0.07-0.08. Measured side by side with autoregressive decoding on TRAINING-side prompts
-    (specref/data/instructions.jsonl: not the evaluation set, not in the committed heads' data),
-    64 greedy tokens (docs/experiments.md, EAGLE-2 trees): trees of 10-15 nodes at depth 5-6 reach
-    tau 2.4-2.6 but run slower than 4-5 nodes; with the EAGLE-1 head of 2026-12-02, depth 2 beat depth 3 at
-    the same node count in two independent sets of 22 prompts (top_k 4, 4 nodes: 1.43x / 1.45x;
-    top_k 3, depth 3, 4 nodes: 1.39x / 1.36x; the EAGLE-1 chain 1.23x / 1.29x) at equal tau
-    (1.71-1.77): a third level is one more head step per draft and adds an accepted token in few
-    steps. So: small, shallow trees, chosen from a wide candidate pool."""
+    top_k 10) assume a verify forward whose cost is flat in the block width. Where a verify block of
+    W tokens costs more than one token's forward (a CPU) and each level costs a head step, the rule
+    is: small, shallow trees chosen from a wide candidate pool. A node is worth verifying when its
+    path's head probability (its expected accepted tokens) exceeds the marginal cost of one more
+    block token, and a level is worth expanding when the tokens it adds outweigh one head step; the
+    defaults follow it for the default model on CPU (the measurements: docs/experiments.md)."""
 
     top_k: int = 4  # children per expanded node and frontier width (paper: 10): the pool to rerank
     # is top_k + (depth-1) top_k^2 = 20 candidates; a frontier row costs the head little
-    depth: int = 2  # expansion steps = the deepest level (paper: 6): each costs a head step (~0.07)
-    total_tokens: int = 4  # the most nodes verified per step (paper: 60): W = 5, v ~1.25 here
-    min_value: float = 0.05  # keep a node only if V_i (its path's head probability) >= this: ~ the
-    # marginal verify cost of one more node (~0.045 of a target step); 0 keeps total_tokens always
+    depth: int = 2  # expansion steps = the deepest level (paper: 6): each costs one head step
+    total_tokens: int = 4  # the most nodes verified per step (paper: 60)
+    min_value: float = 0.05  # keep a node only if V_i (its path's head probability) >= this: about
+    # the marginal verify cost of one more node, in target steps; 0 keeps total_tokens always
 
     def __post_init__(self) -> None:
         normalise_ints(self, "top_k", "depth", "total_tokens")

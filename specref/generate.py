@@ -6,6 +6,8 @@ Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): eac
   3. accept   - rejection.py accepts a prefix (a tree path) and emits one recovered or bonus token
                 per row; the row keeps them up to its token budget and its first eos;
   4. roll back - the KV cache keeps the accepted slots; the proposer is told what was accepted.
+Before the loop, _prepare reads transformers' conventions, checks every argument and allocates the
+context, the output buffers and the target's cache (one _Run); then a prefill opens the first step.
 Every emitted token comes out of step 3, so the output is distributed exactly as direct sampling
 from the target with the same sampling settings (proven by the chi-square tests), and under greedy
 decoding it is token-for-token the target's greedy output. The one exception is opt-in: a proposer
@@ -251,14 +253,135 @@ def speculative_generate(
     the call has run max_time seconds (prefill included); the rows end where they are.
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats[, sequences]).
     """
-    # validation at the boundary (checks.py): every argument before any allocation or forward
     t_start = time.perf_counter()
+    run = _prepare(target, proposer, input_ids, attention_mask, generation_config, generation_kwargs,
+                   dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                        max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, logits_processor=logits_processor,
+                        stop_strings=stop_strings), generator, seed, max_len, tokenizer, streamer, return_sequences)
+    tgt, ctx, cache, sampling, generator, procs = run.tgt, run.ctx, run.cache, run.sampling, run.generator, run.procs
+    B, k, K, N, want_h, who, stats = run.B, run.k, run.K, run.max_new_tokens, run.want_h, run.who, GenerationStats()
+    if streamer is not None:
+        streamer.put(run.rows[0].view(1, -1).cpu())  # as transformers: the prompt first (skip_prompt skips it)
+    if N == 0:
+        if streamer is not None:
+            streamer.end()
+        stats.wall_time = time.perf_counter() - t_start
+        return _output(run.out_tokens[:, :0], run.n_new, stats, input_ids, return_sequences, run.cfg.pad_token_id)
+    counters, clock = _Counters(tgt.device), _clock(timing, tgt.device)
+    with tgt.session():  # CPU: packed linears swapped in once for every forward of the loop
+        # 0. prefill every prompt token but the last, which opens the first verify block
+        t0 = clock()
+        pre = tgt.prefill(cache, ctx.tokens[:, :run.P_max - 1], ctx.prompt_lengths - 1, logits=False,
+                          hidden_layers=want_h)
+        if want_h is not None:
+            ctx.hidden, ctx.hidden_len = pre.hidden, ctx.prompt_lengths - 1  # (B, P, D), (B,)
+        stats.prefill_time = clock() - t0
+        proposer.begin(ctx, sampling, generator)
+        step_no = 0
+        bad = None  # (0-d bool) the last step's distributions held NaN/inf: raised at the next read
+        while True:
+            # the step's one device read (the chain's second is its width, in _verify_chain): rows
+            # alive, the longest context (the target cache holds one token less), last step's check
+            alive, top, failed = torch.stack([ctx.active.any().long(), ctx.lengths.max(),
+                                              bad.long() if bad is not None else ctx.lengths.new_zeros(())]).tolist()
+            if failed:  # names the model, the row and the step (checks.py)
+                checks.finite_or_raise(step_no - 1, who, **bad_at)
+            if not alive:
+                break
+            # 1. draft
+            t0 = clock()
+            draft = proposer.propose(ctx, sampling, generator)
+            if not run.trust:  # a user's proposer: its Draft is checked before the target sees it
+                checks.check_draft(draft, who, B, tgt.vocab_size, k)
+            if draft.parents is not None:
+                checks.check_siblings(draft, who)  # host-side: q paired with the siblings' kind
+            t1 = clock()
+            # 2. verify: the target scores [pending token, draft] in one forward
+            budget = (N - run.n_new - 1).clamp(min=0)  # (B,) the step emits one more token
+            pending = ctx.tokens.gather(1, (ctx.lengths - 1).view(B, 1)).view(B)  # (B,)
+            verify = _verify_tree if draft.is_tree else _verify_chain
+            block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer, top - 1)
+            raw = block.logits
+            if procs is not None:  # each row of the block on its own path's context (processors.py)
+                block.logits = processors.apply_to_block(procs, block.logits, ctx.tokens, ctx.lengths, run.n_new,
+                                                         block.tokens, block.parents, block.lengths)
+            # 3. accept: rejection.py, then each row's cut at its token budget and first eos
+            step, bad_at = _accept(block, draft.q, sampling, generator, run.rule, k + 1)
+            if procs is not None or sampling.greedy:
+                bad_at["logits"] = raw  # NaN has no argmax; processors' -inf is allowed, NaN is not
+            bad = torch.stack([_bad(t, name) for name, t in bad_at.items() if t is not None]).any()
+            step.emitted.clamp_(max=tgt.vocab_size - 1)  # a NaN step's garbage stays a valid id until raised
+            if step.emitted.shape[1] > K + 1:
+                raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
+                                 f"than its k = {k}")
+            num_emit, hit_eos = _kept(step, budget, ctx.active, run.eos)  # (B,), (B,)
+            if run.stops is not None:  # a stop string completed inside the run ends the row there
+                num_emit, stopped = run.stops.first_stop(ctx.tokens, ctx.lengths, step.emitted, num_emit)  # (B,)x2
+                hit_eos |= stopped
+            t2 = clock()
+            stats.draft_time += t1 - t0
+            stats.verify_time += t2 - t1
+
+            # 4. roll back: keep the pending token and the accepted drafts; the last emitted is pending
+            hidden = _commit(cache, step, num_emit, block.hidden)
+            _write(ctx.tokens, ctx.lengths, step.emitted, num_emit)
+            _write(run.out_tokens, run.n_new, step.emitted, num_emit)
+            accepted = torch.minimum(step.num_accepted, num_emit)  # (B,) accepted drafts emitted
+            counters.add(block, step, ctx.active, num_emit, accepted)
+            ctx.lengths += num_emit
+            run.n_new += num_emit
+            if streamer is not None and int(num_emit[0]):
+                streamer.put(step.emitted[0, : int(num_emit[0])].cpu())  # the step's committed tokens
+            ctx.active &= ~hit_eos & (run.n_new < N)
+            if want_h is not None:
+                ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
+            proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
+            step_no += 1
+            if run.cfg.max_time is not None and time.perf_counter() - t_start > run.cfg.max_time:
+                break  # transformers' MaxTimeCriteria: checked after each step
+    counters.fill(stats)
+    if streamer is not None:
+        streamer.end()
+    stats.wall_time = time.perf_counter() - t_start
+    return _output(run.out_tokens[:, :N].contiguous(), run.n_new, stats, input_ids, return_sequences,
+                   run.cfg.pad_token_id)
+
+
+@dataclass
+class _Run:
+    """speculative_generate's preparation, in one object: the resolved settings (transformers'
+    conventions read), the checked arguments, the context, the output buffers and the target's cache."""
+
+    tgt: Target
+    cfg: hf_generation.Settings  # the resolved generation settings (eos, pad, max_time, ...)
+    sampling: SamplingConfig
+    procs: Optional[list]  # the logits processors, or None
+    stops: Optional[hf_generation.StopStrings]
+    k: int  # the proposer's k
+    K: int  # the widest step: K drafts + 1 (chain) or depth K + 1 (tree)
+    who: str  # the proposer's class name, for errors
+    trust: bool  # the library's own proposer: no per-step Draft check
+    rule: Optional[TypicalAcceptance]  # None: rejection sampling; Medusa's typical acceptance (lossy)
+    want_h: Optional[tuple]  # target layers whose features the proposer reads (EAGLE), or None
+    rows: List[torch.Tensor]  # the prompt, one tensor per row
+    B: int
+    P_max: int  # the longest prompt
+    max_new_tokens: int
+    eos: torch.Tensor  # (E,)
+    generator: Generators
+    out_tokens: torch.Tensor  # (B, N + K + 1) -1 padded
+    n_new: torch.Tensor  # (B,)
+    ctx: Optional[Context] = None  # None (and no cache) when max_new_tokens is 0
+    cache: object = None
+
+
+def _prepare(target, proposer, input_ids, attention_mask, generation_config, generation_kwargs, settings,
+             generator, seed, max_len, tokenizer, streamer, return_sequences) -> _Run:
+    """Conventions, validation (checks.py: every argument before any allocation or forward) and
+    the caches; `settings` holds speculative_generate's sampling keywords as passed."""
     tgt = target if isinstance(target, Target) else Target(target)
-    cfg = hf_generation.resolve(
-        tgt.model, generation_config, generation_kwargs, temperature=temperature, top_k=top_k, top_p=top_p,
-        eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        logits_processor=logits_processor, stop_strings=stop_strings, vocab=tgt.vocab_size)
+    cfg = hf_generation.resolve(tgt.model, generation_config, generation_kwargs, vocab=tgt.vocab_size, **settings)
     procs = cfg.procs if cfg.procs else None
     sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, processors=procs)
     stops = None if cfg.stop_strings is None else hf_generation.StopStrings(tokenizer, cfg.stop_strings)
@@ -290,7 +413,6 @@ def speculative_generate(
     if generator is None:
         generator = make_generators(checks.seed_value(seed, B) if seed is not None
                                     else int(torch.randint(0, 2**62, ())), B, dev)
-    stats = GenerationStats()
     prompt_len = torch.tensor([len(r) for r in rows], device=dev)  # (B,)
     P_max = int(prompt_len.max())
     max_new_tokens = cfg.max_new_tokens
@@ -311,105 +433,26 @@ def speculative_generate(
     n_new = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
     if return_sequences and cfg.pad_token_id is None:
         raise ValueError("return_sequences needs pad_token_id (pass it, or set it in the generation_config)")
+    run = _Run(tgt, cfg, sampling, procs, stops, k, K, who, trust, rule, want_h, rows, B, P_max, max_new_tokens,
+               eos, generator, out_tokens, n_new)
     if max_new_tokens == 0:
-        if streamer is not None:
-            streamer.put(rows[0].view(1, -1).cpu())
-            streamer.end()
-        stats.wall_time = time.perf_counter() - t_start
-        return _output(out_tokens[:, :0], n_new, stats, input_ids, return_sequences, cfg.pad_token_id)
-
+        return run
     ctx_tokens = torch.zeros((B, T_ctx), dtype=torch.long, device=dev)  # (B, T)
     for b, r in enumerate(rows):
         ctx_tokens[b, : len(r)] = r.to(dev)
-    ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(), active=torch.ones(B, dtype=torch.bool, device=dev),
-                  prompt_lengths=prompt_len)
-    if streamer is not None:
-        streamer.put(rows[0].view(1, -1).cpu())  # as transformers: the prompt first (skip_prompt skips it)
-    cache = tgt.new_cache(B, max_len)
-    counters = _Counters(dev)
+    run.ctx = Context(tokens=ctx_tokens, lengths=prompt_len.clone(),
+                      active=torch.ones(B, dtype=torch.bool, device=dev), prompt_lengths=prompt_len)
+    run.cache = tgt.new_cache(B, max_len)
+    return run
 
+
+def _clock(timing: bool, dev: torch.device):
+    """The phases' host clock; with timing=True it synchronises the device first (exact on CUDA)."""
     def clock() -> float:
         if timing:
             device_sync(dev)
         return time.perf_counter()
-
-    with tgt.session():  # CPU: packed linears swapped in once for every forward of the loop
-        # 0. prefill every prompt token but the last, which opens the first verify block
-        t0 = clock()
-        pre = tgt.prefill(cache, ctx_tokens[:, :P_max - 1], prompt_len - 1, logits=False, hidden_layers=want_h)
-        if want_h is not None:
-            ctx.hidden, ctx.hidden_len = pre.hidden, prompt_len - 1  # (B, P, D), (B,)
-        stats.prefill_time = clock() - t0
-        proposer.begin(ctx, sampling, generator)
-
-        step_no = 0
-        bad = None  # (0-d bool) the last step's distributions held NaN/inf: raised at the next read
-        while True:
-            # the step's one device read (the chain's second is its width, in _verify_chain): rows
-            # alive, the longest context (the target cache holds one token less), last step's check
-            alive, top, failed = torch.stack([ctx.active.any().long(), ctx.lengths.max(),
-                                              bad.long() if bad is not None else ctx.lengths.new_zeros(())]).tolist()
-            if failed:  # names the model, the row and the step (checks.py)
-                checks.finite_or_raise(step_no - 1, who, **bad_at)
-            if not alive:
-                break
-            # 1. draft
-            t0 = clock()
-            draft = proposer.propose(ctx, sampling, generator)
-            if not trust:  # a user's proposer: its Draft is checked before the target sees it
-                checks.check_draft(draft, who, B, tgt.vocab_size, k)
-            if draft.parents is not None:
-                checks.check_siblings(draft, who)  # host-side: q paired with the siblings' kind
-            t1 = clock()
-            # 2. verify: the target scores [pending token, draft] in one forward
-            budget = (max_new_tokens - n_new - 1).clamp(min=0)  # (B,) the step emits one more token
-            pending = ctx_tokens.gather(1, (ctx.lengths - 1).view(B, 1)).view(B)  # (B,)
-            verify = _verify_tree if draft.is_tree else _verify_chain
-            block = verify(tgt, cache, draft, pending, budget, ctx.active, k, want_h, proposer, top - 1)
-            raw = block.logits
-            if procs is not None:  # each row of the block on its own path's context (processors.py)
-                block.logits = processors.apply_to_block(procs, block.logits, ctx_tokens, ctx.lengths, n_new,
-                                                         block.tokens, block.parents, block.lengths)
-            # 3. accept: rejection.py, then each row's cut at its token budget and first eos
-            step, bad_at = _accept(block, draft.q, sampling, generator, rule, k + 1)
-            if procs is not None or sampling.greedy:
-                bad_at["logits"] = raw  # NaN has no argmax; processors' -inf is allowed, NaN is not
-            bad = torch.stack([_bad(t, name) for name, t in bad_at.items() if t is not None]).any()
-            step.emitted.clamp_(max=tgt.vocab_size - 1)  # a NaN step's garbage stays a valid id until raised
-            if step.emitted.shape[1] > K + 1:
-                raise ValueError(f"the proposer's draft reaches depth {step.emitted.shape[1] - 1}, more "
-                                 f"than its k = {k}")
-            num_emit, hit_eos = _kept(step, budget, ctx.active, eos)  # (B,), (B,)
-            if stops is not None:  # a stop string completed inside the run ends the row there
-                num_emit, stopped = stops.first_stop(ctx_tokens, ctx.lengths, step.emitted, num_emit)  # (B,), (B,)
-                hit_eos |= stopped
-            t2 = clock()
-            stats.draft_time += t1 - t0
-            stats.verify_time += t2 - t1
-
-            # 4. roll back: keep the pending token and the accepted drafts; the last emitted is pending
-            hidden = _commit(cache, step, num_emit, block.hidden)
-            _write(ctx_tokens, ctx.lengths, step.emitted, num_emit)
-            _write(out_tokens, n_new, step.emitted, num_emit)
-            accepted = torch.minimum(step.num_accepted, num_emit)  # (B,) accepted drafts emitted
-            counters.add(block, step, ctx.active, num_emit, accepted)
-            ctx.lengths += num_emit
-            n_new += num_emit
-            if streamer is not None and int(num_emit[0]):
-                streamer.put(step.emitted[0, : int(num_emit[0])].cpu())  # the step's committed tokens
-            ctx.active &= ~hit_eos & (n_new < max_new_tokens)
-            if want_h is not None:
-                ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
-            proposer.update(ctx, torch.minimum(step.num_accepted, (num_emit - 1).clamp(min=0)))
-            step_no += 1
-            if cfg.max_time is not None and time.perf_counter() - t_start > cfg.max_time:
-                break  # transformers' MaxTimeCriteria: checked after each step
-    counters.fill(stats)
-    if streamer is not None:
-        streamer.end()
-    stats.wall_time = time.perf_counter() - t_start
-    return _output(out_tokens[:, :max_new_tokens].contiguous(), n_new, stats, input_ids, return_sequences,
-                   cfg.pad_token_id)
+    return clock
 
 
 def _output(tokens, n_new, stats, input_ids, return_sequences: bool, pad: Optional[int]) -> GenerationOutput:

@@ -94,7 +94,9 @@ def expected_accepted(choices: Sequence[Choice], acc) -> float:
 
 def greedy_tree(acc, num_nodes: int) -> List[Choice]:
     """The num_nodes-node tree of largest expected accepted length for accuracies acc (K heads,
-    S ranks): acc[d, i] = P(head d+1's rank-i token is right). Ties go to the shallower, lower rank."""
+    S ranks): acc[d, i] = P(head d+1's rank-i token is right). Nodes are taken by path probability;
+    equal probabilities go to the lexicographically smaller choice tuple (the ranks compared from the
+    root, a path before its extensions): (0, 1) before (1,), so a tie may take the deeper node."""
     a = _check_acc(acc)
     K, S = a.shape
     if not isinstance(num_nodes, int) or num_nodes < 1:

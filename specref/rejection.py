@@ -32,7 +32,7 @@ as a tree (parents [-1, 0, 1, ...]) give identical results from identical genera
 `verify_chain(..., draws=k + 1)` (generate.py's loop) has every row consume exactly k + 1 instead,
 a constant of the proposer: rows stay independent and no length is read back to the host.
 
-Left out: typical acceptance (lossy, Medusa's; not in specref yet), SpecTr's optimal-transport
+Medusa's typical acceptance (lossy) lives in typical.py. Left out: SpecTr's optimal-transport
 verification and Sequoia's sampling without replacement.
 """
 from __future__ import annotations

@@ -35,7 +35,7 @@ from .sampling import Generators, ragged_uniforms, sample_from_probs
 
 @dataclass(frozen=True)
 class TypicalAcceptance:
-    """Settings of Medusa's typical acceptance (a proposer sets `acceptance` to one of these)."""
+    """Settings of Medusa's typical acceptance (a proposer sets `acceptance_rule` to one of these)."""
 
     posterior_threshold: float = 0.09  # epsilon: a token with p(x) > epsilon always passes
     posterior_alpha: float = 0.3  # delta: ... and one with p(x) > delta * exp(-H(p)) passes too
