@@ -203,9 +203,9 @@ def _loaded(kind, target, folder):
     return load_published_medusa(target, folder)
 
 
-def _proposer(kind, head, tree=False):
+def _proposer(kind, head, tree=False, small=False):
     if kind == "medusa":
-        return MedusaProposer(head)
+        return MedusaProposer(head, MedusaConfig(choices=((0,), (1,), (0, 0))) if small else MedusaConfig())
     if tree:
         return Eagle2Proposer(head, Eagle2Config())
     return EagleProposer(head, EagleConfig(k=3))
@@ -231,7 +231,7 @@ def test_whole_loop_lossless(target, tmp_path, kind, temperature, top_k):
     L, prompt = 3, torch.tensor([3, 1, 4, 1, 5])
     exact = hf_joint_distribution(target, prompt, L, SamplingConfig(temperature, top_k)).numpy()
     n = power_rows(exact)
-    out = speculative_generate(target, _proposer(kind, head), prompt.expand(n, -1), max_new_tokens=L,
+    out = speculative_generate(target, _proposer(kind, head, small=True), prompt.expand(n, -1), max_new_tokens=L,
                                temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(7))
     res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L), exact)
     assert res.p_value > 1e-3, res
@@ -259,3 +259,16 @@ def test_refusals(target, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
     with pytest.raises(ValueError, match=f"vocab_size {V + 4}"):
         load_published_medusa(target, tmp_path / "m")
+
+
+@pytest.mark.parametrize("kind,method", [("eagle", "eagle2"), ("eagle3", "eagle3"), ("medusa", "medusa")])
+def test_registry_takes_folders(target, tmp_path, kind, method):
+    """`--weights KIND=FOLDER` (CLI and bench pass it as Registry weights) builds the method on the head."""
+    from specref.registry import Registry, weights_item
+
+    _loaded(kind, target, tmp_path / kind)
+    assert weights_item(f"{kind}={tmp_path / kind}") == (kind, str(tmp_path / kind))
+    reg = Registry(target, kind="custom", weights={kind: str(tmp_path / kind)}, cost_reps=1)
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(2))
+    sp = speculative_generate(target, reg.proposer(method), ids, max_new_tokens=8, temperature=0)
+    assert torch.equal(sp.tokens, autoregressive_generate(target, ids, max_new_tokens=8, temperature=0).tokens)
