@@ -21,6 +21,7 @@ from specref.oracle.exact import hf_joint_distribution
 from specref.published import (PublishedEagle3Head, load_published_eagle, load_published_eagle3,
                                load_published_medusa)
 from specref.sampling import SamplingConfig
+from specref.target import additive_mask
 
 DRAFT_VOCAB = [0, 1, 2, 3, 5, 6, 8, 9, 10, 12, 13, 15]  # EAGLE-3's draft vocabulary (target ids)
 AUX = [0, 1, 1]  # EAGLE-3: the states entering these target layers (a 2-layer target)
@@ -146,50 +147,74 @@ def test_medusa_mapping_drafts_equal(target, tmp_path):
     assert torch.equal(a.tokens, b.tokens) and a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
 
 
+def _rms(x, w, eps):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _ref_layer(target, t, pre, x, residual, pos):
+    """A Llama decoder layer by the formula (no cache, causal): attention over x (its q/k/v read
+    x's width), residual `residual`, post-attention norm, SwiGLU MLP. -> (1, Q, D)"""
+    c, Q = target.config, x.shape[1]
+    H, KV, D = c.num_attention_heads, c.num_key_value_heads, c.hidden_size
+    hd = D // H
+    q = (x @ t[pre + "self_attn.q_proj.weight"].T).view(1, Q, H, hd).transpose(1, 2)
+    k = (x @ t[pre + "self_attn.k_proj.weight"].T).view(1, Q, KV, hd).transpose(1, 2)
+    v = (x @ t[pre + "self_attn.v_proj.weight"].T).view(1, Q, KV, hd).transpose(1, 2)
+    cos, sin = target.model.rotary_emb(residual, position_ids=pos)
+
+    def rot(z):
+        z1, z2 = z[..., : hd // 2], z[..., hd // 2:]
+        return z * cos[:, None] + torch.cat([-z2, z1], -1) * sin[:, None]
+
+    q, k = rot(q), rot(k).repeat_interleave(H // KV, 1)
+    causal = pos.view(Q, 1) >= pos.view(1, Q)  # (Q, Q)
+    att = torch.softmax((q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.where(causal, 0.0, -1e9), -1)
+    o = (att @ v.repeat_interleave(H // KV, 1)).transpose(1, 2).reshape(1, Q, H * hd)
+    h = residual + o @ t[pre + "self_attn.o_proj.weight"].T
+    m = _rms(h, t[pre + "post_attention_layernorm.weight"], c.rms_norm_eps)
+    return h + (torch.nn.functional.silu(m @ t[pre + "mlp.gate_proj.weight"].T)
+                * (m @ t[pre + "mlp.up_proj.weight"].T)) @ t[pre + "mlp.down_proj.weight"].T
+
+
+def _step_inputs(target, width, Q=5):
+    feats = torch.randn(1, Q, width, generator=torch.Generator().manual_seed(3))
+    toks = torch.randint(0, V, (1, Q), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(Q).view(1, Q)
+    mask = additive_mask((pos.view(Q, 1) >= pos.view(1, Q)).view(1, Q, Q), feats.dtype)  # (1, 1, Q, Q)
+    return feats, toks, pos, mask
+
+
+def test_eagle_mapping_matches_published_layer(target, tmp_path):
+    """EAGLE-1/2 by the published formula: f^ = Layer(fc([e; f])) with no input norm, no final
+    norm; logits = the target's LM head of f^."""
+    t = write_eagle(target, tmp_path / "e")
+    head = load_published_eagle(target, tmp_path / "e")
+    feats, toks, pos, mask = _step_inputs(target, target.config.hidden_size)
+    with torch.no_grad():
+        g = torch.cat([target.model.embed_tokens(toks), feats], -1) @ t["fc.weight"].T + t["fc.bias"]  # (1, Q, D)
+        ref = _ref_layer(target, t, "layers.0.", g, g, pos)
+        f_hat = head(feats, toks, pos, mask)
+        assert torch.allclose(f_hat, ref, atol=1e-4)
+        assert torch.allclose(head.logits(f_hat), target.lm_head(ref), atol=1e-4)
+
+
 def test_eagle3_mapping_matches_published_layer(target, tmp_path):
     """The head's step recomputed from the published tensors by the published formula: fused g,
     attention over [Norm(e); Norm(g)] with residual g, MLP; logits from norm(a); draft ids via d2t."""
     t = write_eagle3(target, tmp_path / "e3")
     head = load_published_eagle3(target, tmp_path / "e3")
-    assert isinstance(head, Eagle3Head) and head.layers == tuple(AUX)
+    assert isinstance(head, PublishedEagle3Head) and isinstance(head, Eagle3Head) and head.layers == tuple(AUX)
     assert head.token_map.tolist() == DRAFT_VOCAB
-    D, eps = target.config.hidden_size, target.config.rms_norm_eps
-
-    def rms(x, w):
-        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-    Q = 5
-    feats = torch.randn(1, Q, 3 * D, generator=torch.Generator().manual_seed(3))
-    toks = torch.randint(0, V, (1, Q), generator=torch.Generator().manual_seed(4))
-    pos = torch.arange(Q).view(1, Q)
-    causal = pos.view(Q, 1) >= pos.view(1, Q)  # (Q, Q)
-    from specref.target import additive_mask
+    eps = target.config.rms_norm_eps
+    feats, toks, pos, mask = _step_inputs(target, 3 * target.config.hidden_size)
     with torch.no_grad():
         g = feats @ t["fc.weight"].T  # (1, Q, D)
         assert torch.allclose(head.embed_features(feats), g, atol=1e-5)
-        a = head(g, toks, pos, additive_mask(causal.view(1, Q, Q), g.dtype))  # (1, Q, D)
-        x = torch.cat([rms(target.model.embed_tokens(toks), t["midlayer.input_layernorm.weight"]),
-                       rms(g, t["midlayer.hidden_norm.weight"])], -1)  # (1, Q, 2D)
-        H, KV = target.config.num_attention_heads, target.config.num_key_value_heads
-        hd = D // H
-        q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(1, Q, H, hd).transpose(1, 2)
-        k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(1, Q, KV, hd).transpose(1, 2)
-        v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(1, Q, KV, hd).transpose(1, 2)
-        cos, sin = target.model.rotary_emb(g, position_ids=pos)
-
-        def rot(z):
-            z1, z2 = z[..., : hd // 2], z[..., hd // 2:]
-            return z * cos[:, None] + torch.cat([-z2, z1], -1) * sin[:, None]
-
-        q, k = rot(q), rot(k).repeat_interleave(H // KV, 1)
-        att = torch.softmax((q @ k.transpose(-1, -2)) / hd ** 0.5 + torch.where(causal, 0.0, -1e9), -1)
-        o = (att @ v.repeat_interleave(H // KV, 1)).transpose(1, 2).reshape(1, Q, H * hd)
-        h = g + o @ t["midlayer.self_attn.o_proj.weight"].T
-        m = rms(h, t["midlayer.post_attention_layernorm.weight"])
-        mlp = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T)
-               * (m @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
-        assert torch.allclose(a, h + mlp, atol=1e-4)
-        assert torch.allclose(head.logits(a), rms(a, t["norm.weight"]) @ t["lm_head.weight"].T, atol=1e-4)
+        a = head(g, toks, pos, mask)  # (1, Q, D)
+        x = torch.cat([_rms(target.model.embed_tokens(toks), t["midlayer.input_layernorm.weight"], eps),
+                       _rms(g, t["midlayer.hidden_norm.weight"], eps)], -1)  # (1, Q, 2D)
+        assert torch.allclose(a, _ref_layer(target, t, "midlayer.", x, g, pos), atol=1e-4)
+        assert torch.allclose(head.logits(a), _rms(a, t["norm.weight"], eps) @ t["lm_head.weight"].T, atol=1e-4)
 
 
 def _loaded(kind, target, folder):
