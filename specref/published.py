@@ -19,6 +19,9 @@ the full name mapping):
 Loading is from a local folder (config.json + *.safetensors) or a .safetensors file with its
 config.json beside it; pickle files (.bin/.pt/.pth) are refused. A checkpoint for another target
 (hidden size, vocabulary, layer shapes) is refused naming what differs; unknown tensors are listed.
+Left out: hub downloads, pickle checkpoints (convert them), heads of more than one decoder layer or
+of another width than the target's (EAGLE-3's target_hidden_size != hidden_size), Medusa-2
+checkpoints that also hold a fine-tuned target.
 """
 from __future__ import annotations
 
