@@ -341,7 +341,8 @@ def main(argv=None) -> int:
                    "truncated[:L] | a local draft model folder")
     g.add_argument("--weights", type=weights_item, action="append", metavar="KIND=PATH",
                    help="trained weights for a model that is not the default one, KIND one of "
-                   f"{', '.join(WEIGHT_KINDS)} (repeatable), e.g. eagle=/path/eagle.safetensors")
+                   f"{', '.join(WEIGHT_KINDS)} (repeatable), e.g. eagle=/path/eagle.safetensors; eagle, eagle3 "
+                   "and medusa also take a published head's folder (docs/published_heads.md)")
     g.add_argument("--k", type=int, default=None,
                    help="with --method: the trained draft's k, the EAGLE head's upper bound, MTP's k "
                    "(default: each method's own rule; n-gram, lookahead and Medusa ignore it); "

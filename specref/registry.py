@@ -55,7 +55,8 @@ WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "mtp")  # the learned prop
 
 
 def weights_item(s: str) -> tuple:
-    """argparse type of `--weights KIND=PATH`: KIND one of WEIGHT_KINDS, PATH an existing file."""
+    """argparse type of `--weights KIND=PATH`: KIND one of WEIGHT_KINDS, PATH an existing file (or
+    a published head's folder: eagle, eagle3, medusa; published.py)."""
     import argparse
     import os
 
@@ -165,8 +166,13 @@ class Registry:
                 head, alpha = Head(self.model, torch.arange(0, self.V, 2)), None
             else:
                 path = self._path("eagle3" if version == 3 else "eagle", WEIGHTS)
-                head = load(self.model, path)
-                alpha = info(path)["record"].get("heldout", {}).get("heldout_top1")
+                from .published import is_published, load_published_eagle, load_published_eagle3
+
+                if is_published(path):  # an EAGLE-1/2 or EAGLE-3 head as its authors ship it
+                    head, alpha = (load_published_eagle3 if version == 3 else load_published_eagle)(self.model, path), None
+                else:
+                    head = load(self.model, path)
+                    alpha = info(path)["record"].get("heldout", {}).get("heldout_top1")
             c_head = measure_head_cost(self.target, head, reps=max(15 * self.cost_reps // 9, 5))["c"]
             ek = self.draft_k or (4 if alpha is None else optimal_k(float(alpha), c_head, k_max=10))
             vc = fit_verify_cost(self.verify_costs()["ratios"], ek)  # the shared v(W), W <= ek + 1
@@ -193,7 +199,10 @@ class Registry:
 
             if self.kind == "tiny":  # untrained heads: exercises the code path only
                 return MedusaHeads(self.model, 3, torch.arange(0, self.V, 2))
-            return load_medusa(self.model, self._path("medusa", WEIGHTS))
+            from .published import is_published, load_published_medusa
+
+            path = self._path("medusa", WEIGHTS)
+            return (load_published_medusa if is_published(path) else load_medusa)(self.model, path)
         return self._once("medusa", make)
 
     def mtp_stack(self):
