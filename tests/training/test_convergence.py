@@ -192,7 +192,7 @@ def test_loss_levers_take_effect(store):
 
     def loss(**w):
         torch.manual_seed(0)  # the same input noise
-        return float(EagleTask(head, EagleTrainConfig(draft_vocab=V, **w), seed=0).loss(batch))
+        return float(EagleTask(head, EagleTrainConfig(draft_vocab=V, **w), seed=0).loss(batch).detach())
 
     reg, cls = loss(w_reg=1.0, w_cls=0.0), loss(w_reg=0.0, w_cls=1.0)
     assert loss(w_reg=1.0, w_cls=0.1) == pytest.approx(reg + 0.1 * cls, rel=1e-5)
@@ -200,5 +200,5 @@ def test_loss_levers_take_effect(store):
     e3 = store_split(store, layers=(0, 1, 2), heldout_fraction=0.2)[0]
     h3 = Eagle3Head(target, build_token_map(e3, V, V), layers=(0, 1, 2), seed=0)
     b3 = collate(e3[:8], 48)
-    l3, l7 = (float(Eagle3Task(h3, Eagle3TrainConfig(draft_vocab=V, ttt_steps=n)).loss(b3)) for n in (3, 7))
+    l3, l7 = (float(Eagle3Task(h3, Eagle3TrainConfig(draft_vocab=V, ttt_steps=n)).loss(b3).detach()) for n in (3, 7))
     assert l3 != pytest.approx(l7, rel=1e-4)
