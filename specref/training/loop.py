@@ -9,6 +9,9 @@ per position, and the simulated acceptance beta = sum_x min(p(x), q(x)), Leviath
 Definition 3.1, averaged over positions), checkpoints as safetensors (weights, AdamW moments,
 step, history; never pickle) written atomically, and exact resumption: the data order (length-bucketed
 batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
+The budget is in steps, epochs or tokens (budget_steps; the cosine spans it), and a run stops early
+when its held-out agreement curve stops rising (`stopped`: patience over evaluations with a
+minimum gain). The training sequences may be a list or a streamed store (training/streamed.py).
 
 `python -m specref train` (training/cli.py): self-distilled data (training/data.py), then the
 reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default
