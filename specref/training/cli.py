@@ -14,7 +14,7 @@ import torch
 from .data import DistillConfig
 from .draft import DraftTrainConfig, run_training
 from .eagle import EagleTrainConfig, run_eagle_training
-from .loop import TrainConfig
+from .loop import TrainConfig, sequence_lengths
 from .medusa import MedusaTrainConfig
 
 
@@ -34,8 +34,18 @@ def train_main(argv=None) -> int:
                     "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
                     "eagle, draft: train on these stores (`python -m specref data [--distilled FOLDER]`) instead "
                     "of a self-distilled folder")
-    ap.add_argument("--init", default=None, metavar="PATH", help="eagle with --store: continue training this head "
-                    "file (e.g. specref/weights/smollm2_135m_eagle.safetensors), its draft vocabulary kept")
+    ap.add_argument("--init", default=None, metavar="PATH", help="every method on feature stores (eagle and draft "
+                    "with --store): continue training this saved head / draft file (e.g. specref/weights/"
+                    "smollm2_135m_eagle.safetensors), its shape and draft vocabulary kept")
+    ap.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
+                    "sequences (replaces --steps)")
+    ap.add_argument("--train-tokens", type=int, default=TrainConfig.tokens, help="budget in training tokens "
+                    "(replaces --steps; --epochs wins)")
+    ap.add_argument("--patience", type=int, default=TrainConfig.patience, help="stop once this many held-out "
+                    "evaluations in a row gained < --min-gain top-1 agreement on the best before them (0: never)")
+    ap.add_argument("--min-gain", type=float, default=TrainConfig.min_gain)
+    ap.add_argument("--stream", action="store_true", help="read the feature stores from disk on demand "
+                    "(training/streamed.py): stores larger than memory")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
     ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
     ap.add_argument("--seed", type=int, default=0)
@@ -75,8 +85,9 @@ def train_main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    if a.init is not None and not (a.method == "eagle" and a.store):
-        raise ValueError("--init continues an EAGLE-1 head on feature stores: use it with --method eagle --store")
+    if a.init is not None and (a.method in ("eagle", "draft") and not a.store or a.method == "mtp" and a.data):
+        raise ValueError(f"--init continues a head trained on feature stores: --method {a.method} needs --store "
+                         "(and no --data)")
     if a.method != "draft" and (a.measure_only is not None or a.eval):
         raise ValueError(f"--measure-only/--eval measure the draft model; measure the {a.method} method with "
                          f"`python -m specref bench --methods ar {a.method}`")
@@ -97,7 +108,8 @@ def train_main(argv=None) -> int:
                              temperature=a.temperature, batch_size=a.gen_batch_size,
                              passage_prompts=a.passage_prompts, self_instruct=a.self_instruct)
     train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                            warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len)
+                            warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len,
+                            epochs=a.epochs, tokens=a.train_tokens, patience=a.patience, min_gain=a.min_gain)
     if a.method == "medusa":
         return _medusa(a, train_cfg)
     if a.method == "eagle3":
@@ -130,18 +142,21 @@ def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
 
     from ..models import cache_root, load_default
     from .store import read_store_manifest, stores_split
+    from .streamed import streamed_split
 
     stores = [Path(x) for x in a.store] if a.store else [cache_root() / "store"]
     mans = [read_store_manifest(x) for x in stores]  # each must be a store (ValueError otherwise)
     target, _ = load_default(device=a.device)
     for q in target.parameters():
         q.requires_grad_(False)
-    train, held = stores_split(stores, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
+    split = streamed_split if getattr(a, "stream", False) else stores_split
+    train, held = split(stores, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
     out = Path(a.out) if a.out else cache_root() / "train" / f"{name}_seed{a.seed}"
     out.mkdir(parents=True, exist_ok=True)
     rec = {"store": [str(x) for x in stores],
            "manifest": [{k: m.get(k) for k in ("model_fingerprint", "settings", "sources")} for m in mans],
-           "train_tokens": int(sum(len(s.tokens) for s in train)), "heldout_tokens": int(sum(len(s.tokens) for s in held))}
+           "train_tokens": sum(sequence_lengths(train, 1 << 62)), "heldout_tokens": sum(sequence_lengths(held, 1 << 62)),
+           "streamed": split is streamed_split}
     return target, train, held, out, rec
 
 
@@ -160,7 +175,8 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
 
     cfg = MedusaTrainConfig(num_heads=a.medusa_heads, draft_vocab=a.draft_vocab, own_lm_head=a.own_lm_head)
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
-    run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec)
+    run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
+                        init=a.init)
     _export(out / "medusa.safetensors", a.export)
     return 0
 
@@ -171,7 +187,7 @@ def _draft_store(a, train_cfg: TrainConfig, cfg: DraftTrainConfig) -> int:
 
     target, train, held, out, rec = _from_store(a, "draft_store", cfg.heldout_fraction, layers=())
     run_draft_store_training(target, train, held, train_cfg, cfg, out / "draft.safetensors", run_dir=out,
-                             data_record=rec)
+                             data_record=rec, init=a.init)
     _export(out / "draft.safetensors", a.export)
     return 0
 
@@ -197,7 +213,7 @@ def _eagle3(a, train_cfg: TrainConfig) -> int:
     layers = default_layers(30)  # SmolLM2-135M: after layers 2, 15 and 27 of 30
     target, train, held, out, rec = _from_store(a, f"eagle3_ttt{a.ttt_steps}", cfg.heldout_fraction, layers)
     run_eagle3_training(target, train, held, train_cfg, cfg, out / "eagle3.safetensors", layers=layers,
-                        checkpoint_dir=out, record=rec)
+                        checkpoint_dir=out, record=rec, init=a.init)
     _export(out / "eagle3.safetensors", a.export)
     return 0
 
@@ -208,6 +224,7 @@ def _mtp(a, train_cfg: TrainConfig) -> int:
 
     cfg = MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab)
     target, train, held, out, rec = _from_store(a, "mtp", cfg.heldout_fraction)
-    run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec)
+    run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec,
+                     init=a.init)
     _export(out / "mtp.safetensors", a.export)
     return 0

@@ -28,9 +28,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..draft_model import build_draft, save_draft
+from ..draft_model import build_draft, load_trained_draft, save_draft
 from .data import Batch, Seq, teacher_topk
-from .loop import distilled_run, fit, is_main_process, split_heldout
+from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout
 
 
 @dataclass(frozen=True)
@@ -135,20 +135,26 @@ class DraftDistillTask:
 
 def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq], train_cfg,
                              draft_cfg: DraftTrainConfig, out_path, *, run_dir=None,
-                             data_record: Optional[dict] = None) -> dict:
+                             data_record: Optional[dict] = None, init=None) -> dict:
     """Train the reduced-vocabulary draft on feature-store sequences (their stored top-k; the
-    features are not needed: read the stores with layers=()), save it to out_path. -> record."""
+    features are not needed: read the stores with layers=()), save it to out_path. -> record.
+    init: a draft file (save_draft's) to continue from, its layers and draft vocabulary kept."""
     from ..weights import fingerprint
 
     V = target.get_output_embeddings().weight.shape[0]
-    token_map = build_token_map(train, V, draft_cfg.draft_vocab)
-    draft = build_draft(target, draft_cfg.num_layers, token_map)
+    if init is not None:
+        draft, token_map = load_trained_draft(target, init)
+        data_record = {**(data_record or {}), "init": str(init)}
+    else:
+        token_map = build_token_map(train, V, draft_cfg.draft_vocab)
+        draft = build_draft(target, draft_cfg.num_layers, token_map)
     task = DraftDistillTask(draft, token_map, V, draft_cfg.loss)  # the stored top-k only
-    result = fit(task, list(train), list(heldout), train_cfg, out_dir=run_dir)
+    result = fit(task, as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     record = {"data": data_record or {}, "train": asdict(train_cfg), "draft": asdict(draft_cfg),
               "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history}
+              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history,
+              "stopped_early": result.stopped_early}
     if is_main_process():
         save_draft(out_path, draft, token_map, fingerprint(target), record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))

@@ -32,7 +32,7 @@ from ..eagle_head import EagleHead, save_eagle
 from ..target import additive_mask
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import distilled_run, fit, is_main_process, split_heldout
+from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout
 
 
 @dataclass(frozen=True)
@@ -206,13 +206,14 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
         head = load_eagle(target, init)  # fit() puts it in training mode
     else:
         head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
-    result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), list(train), list(heldout), train_cfg,
+    result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), as_sequence(train), as_sequence(heldout), train_cfg,
                  out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     record = {"data": data_record or {}, "train": asdict(train_cfg), "eagle": asdict(eagle_cfg),
               "train_seconds": result.seconds,
               "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history}
+              "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history,
+              "stopped_early": result.stopped_early}
     if init_record is not None:
         record["init"] = init_record
     if is_main_process():

@@ -168,12 +168,19 @@ def attach_layer_features(target: torch.nn.Module, seqs: Sequence[Seq], layers: 
 def run_eagle3_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout_seqs: Sequence[Seq],
                         train_cfg: TrainConfig, cfg: Eagle3TrainConfig, out_path, *, layers=None,
                         checkpoint_dir=None, record: Optional[dict] = None, progress: bool = True,
-                        log=print) -> Tuple[Eagle3Head, TrainResult]:
+                        log=print, init=None) -> Tuple[Eagle3Head, TrainResult]:
     """Train an EAGLE-3 head for the frozen `target` on sequences whose `features` are its
-    `layers` (hidden_states indices, concatenated (L, 3D)) with stored top-k; save to out_path."""
+    `layers` (hidden_states indices, concatenated (L, 3D)) with stored top-k; save to out_path.
+    init: a head file (save_eagle3's) to continue from, its draft vocabulary and layers kept."""
     V = int(target.get_output_embeddings().weight.shape[0])
-    head = Eagle3Head(target, build_token_map(train_seqs, V, min(cfg.draft_vocab, V)), layers=layers,
-                      seed=train_cfg.seed)
+    if init is not None:
+        from ..eagle3 import load_eagle3
+
+        head = load_eagle3(target, init)  # fit() puts it in training mode
+        record = {**(record or {}), "init": str(init)}
+    else:
+        head = Eagle3Head(target, build_token_map(train_seqs, V, min(cfg.draft_vocab, V)), layers=layers,
+                          seed=train_cfg.seed)
     result = fit(Eagle3Task(head, cfg), train_seqs, heldout_seqs, train_cfg, out_dir=checkpoint_dir,
                  progress=progress, log=log)
     head.eval()
@@ -181,7 +188,8 @@ def run_eagle3_training(target: torch.nn.Module, train_seqs: Sequence[Seq], held
         final = result.history[-1] if result.history else {}
         rec = {**(record or {}), "train": asdict(train_cfg), "eagle3": asdict(cfg), "layers": list(head.layers),
                "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-               "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs)}
+               "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),
+               "history": result.history, "stopped_early": result.stopped_early}
         save_eagle3(out_path, head, fingerprint(target), rec)
         log(json.dumps({"saved": str(out_path), "heldout": rec["heldout"]}))
     return head, result

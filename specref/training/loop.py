@@ -9,6 +9,9 @@ per position, and the simulated acceptance beta = sum_x min(p(x), q(x)), Leviath
 Definition 3.1, averaged over positions), checkpoints as safetensors (weights, AdamW moments,
 step, history; never pickle) written atomically, and exact resumption: the data order (length-bucketed
 batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
+The budget is in steps, epochs or tokens (budget_steps; the cosine spans it), and a run stops early
+when its held-out agreement curve stops rising (`stopped`: patience over evaluations with a
+minimum gain). The training sequences may be a list or a streamed store (training/streamed.py).
 
 `python -m specref train` (training/cli.py): self-distilled data (training/data.py), then the
 reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default
@@ -22,7 +25,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
@@ -50,6 +53,11 @@ class TrainConfig:
     checkpoint_every: int = 100  # checkpoint every this many steps (and at the end)
     max_len: int = 512  # tokens kept per sequence
     seed: int = 0  # data order
+    epochs: float = 0.0  # budget in passes over the training set; > 0 replaces `steps` (see budget_steps)
+    tokens: int = 0  # budget in training tokens (after max_len); > 0 replaces `steps` (epochs wins if both)
+    patience: int = 0  # stop once `patience` evaluations in a row gained < min_gain on the best (0: never)
+    min_gain: float = 0.002  # the held-out agreement gain that counts as still rising
+    stop_metric: str = "heldout_top1"  # the curve the stopping rule watches (higher is better)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "eval_every", "checkpoint_every", "max_len"):
@@ -59,6 +67,10 @@ class TrainConfig:
             raise ValueError(f"steps must be an int >= 0, got {self.steps!r}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
+        if not self.epochs >= 0 or not isinstance(self.tokens, int) or self.tokens < 0:
+            raise ValueError(f"epochs and tokens must be >= 0, got {self.epochs!r}, {self.tokens!r}")
+        if not isinstance(self.patience, int) or self.patience < 0 or not self.min_gain >= 0:
+            raise ValueError(f"patience must be an int >= 0 and min_gain >= 0, got {self.patience!r}, {self.min_gain!r}")
 
 
 class TrainTask(Protocol):
@@ -83,6 +95,34 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     span = max(cfg.steps - cfg.warmup_steps, 1)
     t = min((step - cfg.warmup_steps) / span, 1.0)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def budget_steps(lengths: Sequence[int], cfg: TrainConfig) -> int:
+    """Optimizer steps of the run: ceil(epochs * batches per epoch) if cfg.epochs > 0, else
+    ceil(tokens / mean tokens per batch) if cfg.tokens > 0, else cfg.steps (lengths: after max_len)."""
+    nb = (len(lengths) + cfg.batch_size - 1) // cfg.batch_size
+    if cfg.epochs > 0:
+        return max(1, math.ceil(cfg.epochs * nb))
+    if cfg.tokens > 0:
+        return max(1, math.ceil(cfg.tokens * nb / max(sum(lengths), 1)))
+    return cfg.steps
+
+
+def stopped(history: Sequence[dict], cfg: TrainConfig) -> bool:
+    """The stopping rule: True once none of the last cfg.patience evaluations of cfg.stop_metric
+    beat the best value before them by cfg.min_gain or more (the held-out agreement stopped
+    rising). Never with patience 0."""
+    curve = [row[cfg.stop_metric] for row in history if cfg.stop_metric in row]
+    if cfg.patience == 0 or len(curve) <= cfg.patience:
+        return False
+    best = max(curve[: -cfg.patience])
+    return all(v < best + cfg.min_gain for v in curve[-cfg.patience:])
+
+
+def sequence_lengths(seqs: Sequence[Seq], max_len: int) -> List[int]:
+    """Token counts (after max_len) of the sequences; a streamed store answers from its index."""
+    known = getattr(seqs, "lengths", None)
+    return [min(n, max_len) for n in (known if known is not None else (len(q.tokens) for q in seqs))]
 
 
 def epoch_batches(lengths: Sequence[int], epoch: int, cfg: TrainConfig) -> List[List[int]]:
@@ -170,6 +210,7 @@ class TrainResult:
     history: List[dict]  # one dict per evaluation: step, lr, train_loss, held-out metrics, seconds
     steps: int
     seconds: float
+    stopped_early: bool = False  # the stopping rule ended the run before its budget
 
 
 def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: TrainConfig,
@@ -191,6 +232,8 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
     named = task.named_trainable()
     if not named:
         raise ValueError("the task has no trainable parameters")
+    lengths = sequence_lengths(train, cfg.max_len)
+    cfg = replace(cfg, steps=budget_steps(lengths, cfg))  # the budget in steps (its cosine spans it)
     opt = torch.optim.AdamW([p for _, p in named], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=cfg.weight_decay)
     dev = named[0][1].device
@@ -223,9 +266,9 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
     bar = tqdm(total=cfg.steps, initial=step, desc="training", unit="step", disable=not progress)
     running = []
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    lengths = [min(len(q.tokens), cfg.max_len) for q in train]
     nb, epoch, batches = (len(train) + cfg.batch_size - 1) // cfg.batch_size, -1, []
-    while step < end:
+    early = stopped(history, cfg)  # a resumed run that had already stopped stays stopped
+    while step < end and not early:
         task.module.train()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -254,11 +297,14 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
         if heldout and (step % cfg.eval_every == 0 or step == cfg.steps):
             record(step, sum(running) / len(running))
             running = []
-        if main and ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end):
+            early = stopped(history, cfg)
+            if early:
+                log(f"stopped at step {step}: {cfg.stop_metric} gained < {cfg.min_gain} over {cfg.patience} evaluations")
+        if main and ckpt is not None and (step % cfg.checkpoint_every == 0 or step == end or early):
             save_checkpoint(ckpt, task, opt, step, history, cfg)
     bar.close()
     state.wait_for_everyone()
-    return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start)
+    return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start, early)
 
 
 def _processes(dev: torch.device):
@@ -282,6 +328,11 @@ def state_sum(state, x: torch.Tensor) -> torch.Tensor:
     from accelerate.utils import reduce
 
     return reduce(x, reduction="sum")
+
+
+def as_sequence(seqs) -> Sequence[Seq]:
+    """seqs itself if it is indexable (a list, a streamed store), else a list of it."""
+    return seqs if hasattr(seqs, "__getitem__") and hasattr(seqs, "__len__") else list(seqs)
 
 
 def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List[Seq], List[Seq]]:

@@ -30,7 +30,7 @@ from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, fit
+from .loop import TrainConfig, as_sequence, fit
 
 
 @dataclass(frozen=True)
@@ -124,18 +124,27 @@ def rank_accuracies(metrics: Dict[str, float], num_heads: int, ranks: int, prefi
 
 def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
                         train_cfg: TrainConfig, cfg: MedusaTrainConfig, out_path, *, run_dir=None,
-                        data_record: Optional[dict] = None, measure_costs: bool = True) -> dict:
+                        data_record: Optional[dict] = None, measure_costs: bool = True, init=None) -> dict:
     """Train heads on sequences WITH features (the feature store's), pick the tree for this
-    machine from the held-out accuracies and the measured costs, save to out_path. -> record."""
+    machine from the held-out accuracies and the measured costs, save to out_path. -> record.
+    init: a file (save_medusa's) to continue from, its heads and draft vocabulary kept."""
     V = target.get_output_embeddings().weight.shape[0]
-    token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
-    heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers, own_lm_head=cfg.own_lm_head)
-    result = fit(MedusaTask(heads, cfg), list(train), list(heldout), train_cfg, out_dir=run_dir)
+    if init is not None:
+        from ..medusa_heads import load_medusa
+
+        heads = load_medusa(target, init)
+        data_record = {**(data_record or {}), "init": str(init)}
+    else:
+        token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
+        heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers,
+                            own_lm_head=cfg.own_lm_head)
+    result = fit(MedusaTask(heads, cfg), as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     acc = rank_accuracies(final, cfg.num_heads, cfg.ranks)
     record = {"data": data_record or {}, "train": asdict(train_cfg), "medusa": asdict(cfg),
               "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),
-              "heldout_top1": acc[:, 0].tolist(), "heldout_rank_acc": acc.tolist()}
+              "heldout_top1": acc[:, 0].tolist(), "heldout_rank_acc": acc.tolist(), "history": result.history,
+              "stopped_early": result.stopped_early}
     choices = None
     if measure_costs:
         heads.eval()
@@ -145,5 +154,5 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
         record.update(verify_ratios=vc["ratios"], heads_cost=hc["c"], predicted_speedup=pred,
                       tree_nodes=len(choices))
     save_medusa(out_path, heads, fingerprint(target), record, choices)
-    print(json.dumps({k: v for k, v in record.items() if k != "data"}, indent=1))
+    print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))
     return record

@@ -123,10 +123,12 @@ class MTPTask:
 
 def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout_seqs: Sequence[Seq],
                      train_cfg: TrainConfig, mtp_cfg: MTPTrainConfig, out_path, *, checkpoint_dir=None,
-                     record: Optional[dict] = None, progress: bool = True, log=print) -> Tuple[MTPStack, TrainResult]:
+                     record: Optional[dict] = None, progress: bool = True, log=print,
+                     init=None) -> Tuple[MTPStack, TrainResult]:
     """Train MTP modules for the frozen `target` on sequences WITH `features` (the target's final
     normed states, (L, D)) and stored top-k; write them to out_path (safetensors, through
     specref.weights: the target's fingerprint, a record with the settings and held-out numbers).
+    init: a file (save_mtp's) to continue from, its modules and draft vocabulary kept.
     -> (the trained stack, fit's result)."""
     for name, seqs in (("train_seqs", train_seqs), ("heldout_seqs", heldout_seqs)):
         bad = [i for i, s in enumerate(seqs) if s.features is None or s.topk_ids is None]
@@ -134,8 +136,14 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
             raise ValueError(f"{name}[{bad[0]}] has no features or no stored top-k: attach the target's "
                              "final normed states (L, D) as Seq.features and distil with topk > 0")
     V = int(target.get_output_embeddings().weight.shape[0])
-    token_map = build_token_map(train_seqs, V, min(mtp_cfg.draft_vocab, V))
-    stack = MTPStack(target, token_map, num_modules=mtp_cfg.num_modules, seed=train_cfg.seed)
+    if init is not None:
+        from ..mtp import load_mtp
+
+        stack = load_mtp(target, init)
+        record = {**(record or {}), "init": str(init)}
+    else:
+        token_map = build_token_map(train_seqs, V, min(mtp_cfg.draft_vocab, V))
+        stack = MTPStack(target, token_map, num_modules=mtp_cfg.num_modules, seed=train_cfg.seed)
     result = fit(MTPTask(stack, mtp_cfg), train_seqs, heldout_seqs, train_cfg, out_dir=checkpoint_dir,
                  progress=progress, log=log)
     stack.eval()
@@ -143,7 +151,8 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
         final = result.history[-1] if result.history else {}
         rec = {**(record or {}), "train": asdict(train_cfg), "mtp": asdict(mtp_cfg), "train_seconds": result.seconds,
                "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-               "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs)}
+               "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),
+               "history": result.history, "stopped_early": result.stopped_early}
         save_mtp(out_path, stack, fingerprint(target), rec)
     return stack, result
 

@@ -1,0 +1,204 @@
+"""Training to convergence (training/loop.py, streamed.py, cli.py): the budget in epochs or tokens,
+the stopping rule, --init for every head type, a streamed store trains like an in-memory one, and
+the levers (EAGLE-1 loss weights, EAGLE-3 training-time-test depth, draft vocabulary, label dtype)
+reach the settings they name."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specref.training.data import collate
+from specref.training.loop import TrainConfig, budget_steps, evaluate, fit, stopped
+from specref.training.store import StoreConfig, build_store, store_split
+
+from test_store import _sources
+from test_training import V, _target
+
+STORE = StoreConfig(tokens=2000, max_len=48, batch_tokens=256, shard_tokens=400, topk=8, layers=("final", 0, 1, 2))
+TCFG = TrainConfig(steps=3, batch_size=8, lr=3e-3, warmup_steps=1, eval_every=3, max_len=48, seed=0)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("store")
+    build_store(_target(), None, _sources(80, seed=1), path, STORE, progress=False)
+    return path
+
+
+def test_budget_in_epochs_or_tokens_and_the_stopping_rule():
+    lengths = [10] * 20  # 3 batches of 8 per epoch, 200 tokens
+    cfg = TrainConfig(steps=7, batch_size=8)
+    assert budget_steps(lengths, cfg) == 7
+    assert budget_steps(lengths, replace(cfg, epochs=2.0)) == 6
+    assert budget_steps(lengths, replace(cfg, epochs=0.5)) == 2
+    assert budget_steps(lengths, replace(cfg, tokens=1000)) == 15  # 1000 tokens / (200 / 3 per batch)
+    rows = lambda *v: [{"heldout_top1": x} for x in v]  # noqa: E731
+    cfg = replace(cfg, patience=2, min_gain=0.01)
+    assert not stopped(rows(0.1, 0.2, 0.3), cfg)
+    assert not stopped(rows(0.1, 0.3, 0.305, 0.32), cfg)  # the last one gained 0.02 on 0.3
+    assert stopped(rows(0.1, 0.3, 0.305, 0.309), cfg)  # two evaluations gained < 0.01
+    assert stopped(rows(0.1, 0.3, 0.2, 0.25), cfg)
+    assert not stopped(rows(0.1, 0.3, 0.2, 0.25), replace(cfg, patience=0))
+    with pytest.raises(ValueError, match="patience"):
+        TrainConfig(patience=-1)
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig(epochs=-1.0)
+
+
+def test_fit_spends_the_budget_and_stops_when_agreement_stops_rising(store):
+    from specref.training.eagle import EagleHead, EagleTask, EagleTrainConfig
+    from specref.training.draft import build_token_map
+
+    target = _target()
+    train, held = store_split(store, heldout_fraction=0.2)
+    nb = (len(train) + 7) // 8
+
+    def run(cfg):
+        head = EagleHead(target, build_token_map(train, V, V), seed=0)
+        return fit(EagleTask(head, EagleTrainConfig(draft_vocab=V)), train, held, cfg, progress=False,
+                   log=lambda *a: None)
+
+    res = run(replace(TCFG, steps=1000, epochs=1.0, eval_every=2))
+    assert res.steps == nb and not res.stopped_early and res.history[-1]["step"] == nb
+    assert all("heldout_top1" in row for row in res.history)  # the agreement curve
+    # a gain no run reaches: stops after `patience` evaluations past the first
+    res = run(replace(TCFG, steps=1000, eval_every=2, patience=2, min_gain=2.0))
+    assert res.stopped_early and res.steps == 4 and [r["step"] for r in res.history] == [0, 2, 4]
+
+
+def _head_runs(target, store, tmp_path):
+    """name -> (train(init, out) -> first history row, evaluate(file) -> held-out top-1)."""
+    from specref.draft_model import load_trained_draft
+    from specref.eagle3 import load_eagle3
+    from specref.eagle_head import load_eagle
+    from specref.medusa_heads import load_medusa
+    from specref.mtp import load_mtp
+    from specref.training.draft import DraftDistillTask, DraftTrainConfig, run_draft_store_training
+    from specref.training.eagle import EagleTask, EagleTrainConfig, run_eagle_store_training
+    from specref.training.eagle3 import Eagle3Task, Eagle3TrainConfig, run_eagle3_training
+    from specref.training.medusa import MedusaTask, MedusaTrainConfig, run_medusa_training
+    from specref.training.mtp import MTPTask, MTPTrainConfig, run_mtp_training
+
+    fin = store_split(store, heldout_fraction=0.2)
+    e3 = store_split(store, layers=(0, 1, 2), heldout_fraction=0.2)
+    lean = store_split(store, layers=(), heldout_fraction=0.2)
+    q = dict(progress=False, log=lambda *a: None)
+    ecfg, e3cfg = EagleTrainConfig(draft_vocab=V), Eagle3TrainConfig(draft_vocab=V, ttt_steps=2)
+    mcfg, tcfg = MedusaTrainConfig(num_heads=2, draft_vocab=V), MTPTrainConfig(draft_vocab=V)
+    dcfg = DraftTrainConfig(num_layers=1, draft_vocab=48)
+    return {
+        "eagle": (lambda i, o: run_eagle_store_training(target, *fin, TCFG, ecfg, o, init=i)["history"][0],
+                  lambda f: EagleTask(load_eagle(target, f)), fin[1]),
+        "eagle3": (lambda i, o: run_eagle3_training(target, *e3, TCFG, e3cfg, o, layers=(0, 1, 2), init=i,
+                                                    **q)[1].history[0],
+                   lambda f: Eagle3Task(load_eagle3(target, f), e3cfg), e3[1]),
+        "medusa": (lambda i, o: run_medusa_training(target, *fin, TCFG, mcfg, o, measure_costs=False,
+                                                    init=i)["history"][0],
+                   lambda f: MedusaTask(load_medusa(target, f), mcfg), fin[1]),
+        "mtp": (lambda i, o: run_mtp_training(target, *fin, TCFG, tcfg, o, init=i, **q)[1].history[0],
+                lambda f: MTPTask(load_mtp(target, f), tcfg), fin[1]),
+        "draft": (lambda i, o: run_draft_store_training(target, *lean, TCFG, dcfg, o, init=i)["history"][0],
+                  lambda f: DraftDistillTask(*load_trained_draft(target, f), V, dcfg.loss), lean[1]),
+    }
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "mtp", "draft"])
+def test_init_continues_from_the_saved_head(name, store, tmp_path):
+    """`train --method NAME --init FILE`: the run's first held-out evaluation is the saved head's."""
+    torch.manual_seed(0)
+    target = _target()
+    train_fn, task_fn, held = _head_runs(target, store, tmp_path)[name]
+    fresh = train_fn(None, tmp_path / "a.safetensors")  # 3 steps from a fresh head, saved
+    first = train_fn(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    saved = evaluate(task_fn(tmp_path / "a.safetensors"), held, TCFG)
+    held_first = {k[len("heldout_"):]: v for k, v in first.items() if k.startswith("heldout_")}
+    assert held_first == pytest.approx(saved, abs=1e-6), (first, saved)  # agreement, loss, ...
+    assert held_first != pytest.approx({k[len("heldout_"):]: v for k, v in fresh.items() if k.startswith("heldout_")},
+                                       abs=1e-6)  # not a fresh head's
+
+
+def test_streamed_store_trains_like_in_memory(store, tmp_path):
+    from specref.training.eagle import EagleTrainConfig, run_eagle_store_training
+    from specref.training.streamed import StreamedStore, streamed_split
+
+    mem = store_split(store, layers=("final", 1), heldout_fraction=0.2)
+    lazy = streamed_split([store], layers=("final", 1), heldout_fraction=0.2)
+    assert [len(x) for x in lazy] == [len(x) for x in mem] and not lazy[0]._open  # nothing read yet
+    for a, b in zip(mem[0], lazy[0]):
+        assert a.tokens.equal(b.tokens) and a.prompt_len == b.prompt_len and a.features.equal(b.features)
+        assert a.topk_ids.equal(b.topk_ids) and a.topk_logprobs.equal(b.topk_logprobs)
+    assert len(StreamedStore([store])) == len(mem[0]) + len(mem[1])
+    mem = store_split(store, heldout_fraction=0.2)
+    lazy = streamed_split([store], heldout_fraction=0.2)
+    cfg = replace(TCFG, steps=6, eval_every=2)
+    runs = []
+    for data in (mem, lazy):
+        torch.manual_seed(0)
+        runs.append(run_eagle_store_training(_target(), *data, cfg, EagleTrainConfig(draft_vocab=V),
+                                             tmp_path / "e.safetensors")["history"])
+    for a, b in zip(*runs):
+        assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+
+
+def test_levers_reach_their_settings(monkeypatch, tmp_path):
+    """--w-reg/--w-cls, --ttt-steps, --draft-vocab, --epochs/--patience, --init, --stream reach the
+    configs of the run (train) and --dtype the target that writes labels and features (data)."""
+    import specref.models
+    from specref.training import cli, eagle, eagle3, store
+
+    seen = {}
+    monkeypatch.setattr(cli, "_from_store", lambda a, name, frac, layers=("final",): (
+        seen.update(stream=a.stream, name=name), None, [], [], tmp_path, {})[1:])
+    monkeypatch.setattr(cli, "_export", lambda *a: None)
+    monkeypatch.setattr(eagle, "run_eagle_store_training",
+                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
+    monkeypatch.setattr(eagle3, "run_eagle3_training",
+                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
+    cli.train_main(["--method", "eagle", "--store", "S", "--w-reg", "1.0", "--w-cls", "0.1", "--draft-vocab", "16384",
+                    "--epochs", "20", "--patience", "3", "--min-gain", "0.005", "--init", "h.safetensors", "--stream"])
+    assert (seen["cfg"].w_reg, seen["cfg"].w_cls, seen["cfg"].draft_vocab) == (1.0, 0.1, 16384)
+    assert (seen["train"].epochs, seen["train"].patience, seen["train"].min_gain) == (20.0, 3, 0.005)
+    assert seen["init"] == "h.safetensors" and seen["stream"]
+    cli.train_main(["--method", "eagle3", "--store", "S", "--ttt-steps", "7", "--train-tokens", "5000000"])
+    assert seen["cfg"].ttt_steps == 7 and seen["train"].tokens == 5_000_000 and seen["name"] == "eagle3_ttt7"
+    assert not seen["stream"] and seen["init"] is None
+
+    class Stop(Exception):
+        pass
+
+    def load_default(dtype=None, device=None):
+        seen["dtype"] = dtype
+        raise Stop
+
+    monkeypatch.setattr(specref.models, "load_default", load_default)
+    for name in ("bfloat16", "float32"):
+        with pytest.raises(Stop):
+            store.data_main(["--out", str(tmp_path), "--dtype", name])
+        assert seen["dtype"] == getattr(torch, name)
+
+
+def test_loss_levers_take_effect(store):
+    """The EAGLE-1 loss is w_reg * regression + w_cls * classification; a deeper training-time test
+    (EAGLE-3 ttt_steps) is another loss."""
+    from specref.training.draft import build_token_map
+    from specref.training.eagle import EagleHead, EagleTask, EagleTrainConfig
+    from specref.training.eagle3 import Eagle3Task, Eagle3TrainConfig
+    from specref.eagle3 import Eagle3Head
+
+    target = _target()
+    train, _ = store_split(store, heldout_fraction=0.2)
+    batch = collate(train[:8], 48)
+    head = EagleHead(target, build_token_map(train, V, V), seed=0)
+
+    def loss(**w):
+        torch.manual_seed(0)  # the same input noise
+        return float(EagleTask(head, EagleTrainConfig(draft_vocab=V, **w), seed=0).loss(batch).detach())
+
+    reg, cls = loss(w_reg=1.0, w_cls=0.0), loss(w_reg=0.0, w_cls=1.0)
+    assert loss(w_reg=1.0, w_cls=0.1) == pytest.approx(reg + 0.1 * cls, rel=1e-5)
+    assert loss() == pytest.approx(0.5 * reg + cls, rel=1e-5)
+    e3 = store_split(store, layers=(0, 1, 2), heldout_fraction=0.2)[0]
+    h3 = Eagle3Head(target, build_token_map(e3, V, V), layers=(0, 1, 2), seed=0)
+    b3 = collate(e3[:8], 48)
+    l3, l7 = (float(Eagle3Task(h3, Eagle3TrainConfig(draft_vocab=V, ttt_steps=n)).loss(b3).detach()) for n in (3, 7))
+    assert l3 != pytest.approx(l7, rel=1e-4)
