@@ -298,6 +298,22 @@ def test_training_lowers_heldout_loss_and_writes_weights(trained, tmp_path):
     assert mlp_speculator_info(tmp_path / "more.safetensors")["record"]["init"]["path"] == str(path)
 
 
+def test_training_positions_are_the_drafting_positions(trained):
+    """The task's held-out stage-1 top-1 counts exactly the positions where the proposer's first greedy
+    draft (the speculator on the target's state before the pending token and that token) is the
+    target's argmax: training teaches the stages what drafting asks of them."""
+    target, spec, _, _, held = trained
+    seqs = held[:6]
+    m = MLPSpeculatorTask(spec).evaluate(collate(seqs, 512))
+    hits = count = 0
+    for s in seqs:
+        for t in range(max(s.prompt_len - 1, spec.n_predict), len(s.tokens) - 1):  # x_t pending
+            row = t - (s.prompt_len - 1)  # topk_ids[row]: p(x_{t+1} | x_{<=t})
+            hits += _reference_draft(target, spec, s.tokens[: t + 1], 1)[0] == int(s.topk_ids[row, 0])
+            count += 1
+    assert count == m["count"] and count > 50 and hits == m["top1_1"], (hits, count, m)
+
+
 def test_registry_methods_and_hybrid_greedy_parity():
     """`mlp_speculator` and `hybrid_mlp_speculator` build on a tiny model (untrained) and reproduce the
     greedy baseline; for a custom model they need a named file."""
