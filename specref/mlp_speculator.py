@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from .checks import normalise_ints
-from .costs import device_sync, median_block_times
+from .costs import device_sync
 from .draft_model import to_target_vocab
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
@@ -239,26 +239,38 @@ class MLPSpeculatorProposer:
 
 
 @torch.no_grad()
-def measure_speculator_cost(target, speculator: MLPSpeculator, k: Optional[int] = None, reps: int = 21) -> dict:
+def measure_speculator_cost(target, speculator: MLPSpeculator, k: Optional[int] = None, reps: int = 31,
+                            cache_len: int = 200) -> dict:
     """Median seconds of a k-token chain (one row, stages 1..k with argmax) and of a 1-token target
-    forward on a 200-token cache; c = the chain's seconds per drafted token over the target's."""
+    forward on a `cache_len` cache, timed alternately in each repetition (a loaded machine slows both
+    alike); c = the chain's seconds per drafted token over the target forward's."""
     k = speculator.n_predict if k is None else k
     tgt = target if isinstance(target, Target) else Target(target)
-    t_target = median_block_times(tgt, [1], 200, 15, warmup=2)[1]
+    cache = tgt.new_cache(1, cache_len + 2)
+    g = torch.Generator().manual_seed(0)
+    hi = min(1000, tgt.vocab_size)
+    tgt.prefill(cache, torch.randint(0, hi, (1, cache_len), generator=g).to(tgt.device),
+                torch.tensor([cache_len], device=tgt.device), logits=False)
     w = speculator.proj[0].weight
     h = torch.randn(1, speculator.emb_dim, device=w.device, dtype=w.dtype)  # (1, D)
     x0 = torch.zeros(1, dtype=torch.long, device=w.device)  # (1,)
-    times = []
+    t_target, t_chain = [], []
     for _ in range(reps + 2):
+        blk = torch.randint(0, hi, (1, 1), generator=g).to(tgt.device)  # (1, 1)
+        device_sync(tgt.device)
         t0 = time.perf_counter()
+        tgt.verify_chain(cache, blk)  # written at the same slot every time: never committed
+        device_sync(tgt.device)
+        t1 = time.perf_counter()
         s, x = speculator.start(h), x0
         for j in range(k):
             s = speculator.stage(j, s, x)  # (1, d)
             x = speculator.token_map[speculator.logits(j, s).argmax(-1)]  # (1,)
         device_sync(w.device)
-        times.append(time.perf_counter() - t0)
-    t_chain = sorted(times[2:])[reps // 2]
-    return {"t_target": t_target, "t_chain": t_chain, "k": k, "c": t_chain / k / t_target}
+        t_target.append(t1 - t0)
+        t_chain.append(time.perf_counter() - t1)
+    med = lambda v: sorted(v[2:])[reps // 2]  # noqa: E731
+    return {"t_target": med(t_target), "t_chain": med(t_chain), "k": k, "c": med(t_chain) / k / med(t_target)}
 
 
 # ----------------------------------------------------------------------------- weights

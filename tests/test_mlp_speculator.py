@@ -369,6 +369,10 @@ def test_bad_config(trained):
     with pytest.raises(ValueError, match=r"train\[0\] has no features"):
         run_mlp_speculator_training(target, [Seq(torch.arange(6), 3)], [], TrainConfig(steps=1),
                                     MLPSpeculatorTrainConfig(), "unused")
+    from specref.mlp_speculator import measure_speculator_cost
+
+    cost = measure_speculator_cost(target, spec, k=2, reps=3)  # the chain's c per drafted token
+    assert cost["k"] == 2 and cost["c"] == pytest.approx(cost["t_chain"] / 2 / cost["t_target"])
     from specref.training.cli import train_main
 
     with pytest.raises(ValueError, match="--init"):
