@@ -6,7 +6,7 @@
 
 Everything a user needs is re-exported here. The package: the core (sampling, rejection, tree,
 kv_rollback, target, proposer, generate, theory, costs), one module per method (draft_model,
-ngram, lookahead, eagle_head (+ eagle_tree, eagle3), medusa_heads (+ medusa_tree, typical), mtp, hybrid), and three wings: oracle/ (is a sampler lossless?),
+ngram, lookahead, eagle_head (+ eagle_tree, eagle3), medusa_heads (+ medusa_tree, typical), mtp, mlp_speculator, hybrid), and three wings: oracle/ (is a sampler lossless?),
 training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
 submodules (models, training, bench) import their optional dependencies lazily.
 """
@@ -20,6 +20,8 @@ from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
 from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
+from .mlp_speculator import (MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator,
+                             load_published_mlp_speculator)
 from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
@@ -47,13 +49,14 @@ __all__ = [  # sorted
     "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "Eagle2Config",
     "Eagle2Proposer", "Eagle3Head", "EagleConfig", "EagleHead", "EagleProposer", "GREEDY",
     "GenerationOutput", "GenerationStats", "HybridConfig", "HybridProposer", "LookaheadConfig",
-    "LookaheadProposer", "METHODS", "MTPConfig", "MTPProposer", "MTPStack", "MedusaConfig", "MedusaHeads",
+    "LookaheadProposer", "METHODS", "MLPSpeculator", "MLPSpeculatorConfig", "MLPSpeculatorProposer", "MTPConfig", "MTPProposer", "MTPStack", "MedusaConfig", "MedusaHeads",
     "MedusaProposer", "NgramConfig", "NgramProposer", "NullProposer", "PickerConfig", "Proposer",
     "Recommendation", "Registry", "Report", "SamplingConfig", "SpecCache", "Target", "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",
     "chi_square_two_sample", "detectable_tv", "expected_tokens", "joint_index", "load_default",
-    "load_eagle", "load_eagle3", "load_medusa", "load_mtp", "load_native_mtp", "load_trained_draft",
+    "load_eagle", "load_eagle3", "load_medusa", "load_mlp_speculator", "load_mtp", "load_native_mtp",
+    "load_published_mlp_speculator", "load_trained_draft",
     "logits_to_probs", "make_generators", "measure_cost", "measure_verify_cost", "optimal_k",
     "propose_ngram", "recommend", "samples_for_tv", "speculative_generate", "speedup", "truncated_draft",
     "tv_distance", "verify_chain", "verify_chain_greedy", "verify_tree", "verify_tree_greedy",

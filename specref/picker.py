@@ -119,7 +119,7 @@ def predict(cal: Calibration, max_new_tokens: Optional[int] = None, group: Optio
                    verify_cost=pooled["verify_s"] / max(pooled["steps"], 1) / t_ar_all,
                    setup_s=pooled["setup_s"] / len(prompts), k=by[(prompts[0], m)]["k"], best_k=None,
                    label=cal.labels.get(m, m))
-        if m in ("ngram", "draft", "eagle", "mtp") and a:
+        if m in ("ngram", "draft", "eagle", "mtp", "mlp_speculator") and a:
             row["best_k"] = _best_fixed_k(pooled, a, f, t_ar_all, t1, cal.verify_ratios)
         out[m] = row
     return out

@@ -94,7 +94,7 @@ class AuxBlock:
 @runtime_checkable
 class Proposer(Protocol):
     """Implemented by every method (draft_model.py, ngram.py, lookahead.py, eagle_head.py,
-    medusa_heads.py, mtp.py, hybrid.py). generate.py relies on exactly this, and nothing else:
+    medusa_heads.py, mtp.py, mlp_speculator.py, hybrid.py). generate.py relies on exactly this, and nothing else:
 
     - `k`: the most draft tokens (chain) or nodes (tree) per row and step; a chain's length and a
       tree's depth never exceed it (generate.py sizes its buffers by it).

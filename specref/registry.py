@@ -38,10 +38,13 @@ METHODS: Dict[str, str] = {
     "medusa_typical": "Medusa heads with typical acceptance (LOSSY at T > 0)",
     "hybrid_medusa": "prompt lookup where it matches, else the Medusa heads' tree",
     "mtp": "multi-token prediction modules, chain",
+    "mlp_speculator": "MLP speculator (Wertheimer et al. 2024), chain of its n stages",
+    "hybrid_mlp_speculator": "prompt lookup where it matches, else the MLP speculator's chain",
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
            "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
-           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp"}
+           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp",
+           "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator"}
 
 
 def check_method(name: str) -> str:
@@ -51,7 +54,7 @@ def check_method(name: str) -> str:
     return name
 
 
-WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "mtp")  # the learned proposers' weight files
+WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator")  # the learned proposers' weight files
 
 
 def weights_item(s: str) -> tuple:
@@ -217,6 +220,18 @@ class Registry:
             return stack, self.draft_k or max(stack.num_modules, 3)
         return self._once("mtp", make)
 
+    def mlp_speculator(self):
+        """(speculator, k = n_predict unless draft_k, capped at n_predict)."""
+        def make():
+            from .mlp_speculator import WEIGHTS, MLPSpeculator, load_mlp_speculator
+
+            if self.kind == "tiny":  # an untrained speculator: exercises the code path only
+                spec = MLPSpeculator(self.model, 3, token_map=torch.arange(0, self.V, 2))
+            else:
+                spec = load_mlp_speculator(self.model, self._path("mlp_speculator", WEIGHTS))
+            return spec, min(self.draft_k or spec.n_predict, spec.n_predict)
+        return self._once("mlp_speculator", make)
+
     # ------------------------------------------------------------------ the methods
 
     def proposer(self, name: str):
@@ -266,6 +281,12 @@ class Registry:
             mc = MedusaConfig(acceptance="typical" if name == "medusa_typical" else "lossless")
             p = MedusaProposer(self.medusa_heads(), mc)
             return p if name != "hybrid_medusa" else HybridProposer(NgramProposer(self.ngram_config()), p)
+        if name in ("mlp_speculator", "hybrid_mlp_speculator"):
+            from .mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorProposer
+
+            spec, k = self.mlp_speculator()
+            p = MLPSpeculatorProposer(spec, MLPSpeculatorConfig(k=k))
+            return p if name == "mlp_speculator" else HybridProposer(NgramProposer(self.ngram_config()), p)
         from .mtp import MTPConfig, MTPProposer  # "mtp"
 
         stack, k = self.mtp_stack()
@@ -314,5 +335,10 @@ class Registry:
                 return f"specref n-gram, else Medusa heads ({n}-node tree; {costs(self.ngram_config())})"
             rule = "typical acceptance, LOSSY at T > 0" if name == "medusa_typical" else "lossless"
             return f"specref Medusa heads ({heads.num_heads} heads, {n}-node tree; {rule})"
+        if name in ("mlp_speculator", "hybrid_mlp_speculator"):
+            spec, k = self.mlp_speculator()
+            what = f"MLP speculator (n={spec.n_predict}, k={k}{', tied' if spec.tie_weights else ''})"
+            return f"specref {what}" if name == "mlp_speculator" else \
+                f"specref n-gram, else {what} ({costs(self.ngram_config())})"
         stack, k = self.mtp_stack()
         return f"specref MTP modules (D={stack.num_modules}, k={k}; module D reused after)"

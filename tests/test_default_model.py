@@ -3,8 +3,8 @@
 speculative_generate == autoregressive_generate == HF generate(do_sample=False), batch 1 and 4 with
 prompts of different lengths, k = 4, a draft model (the target's first 2 layers: mostly
 rejected) and the target itself as draft (always accepted: exercises full accepts); the committed
-Medusa heads (two tree shapes), MTP modules (D = 2, and D = 1 reused for k = 3) and the committed
-EAGLE-1 head growing EAGLE-2 dynamic trees, the committed EAGLE-3 head (chains and trees).
+Medusa heads (two tree shapes), MTP modules (D = 2, and D = 1 reused for k = 3), the MLP speculator
+and the committed EAGLE-1 head growing EAGLE-2 dynamic trees, the committed EAGLE-3 head (chains and trees).
 """
 import pytest
 import torch
@@ -109,6 +109,21 @@ def test_committed_mtp_modules_greedy_parity(default):
     one = speculative_generate(model, MTPProposer(stack, MTPConfig(k=3, modules=1)), row, max_new_tokens=N_NEW,
                                temperature=0)
     assert one.row(0) == ar.row(1)
+
+
+def test_committed_mlp_speculator_greedy_parity(default):
+    """The committed MLP speculator: its 3 tied stages as a chain, batch 4 with ragged prompts and batch 1."""
+    from specref.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator
+
+    model, tok, enc, ar = default
+    spec = load_mlp_speculator(model)
+    out = speculative_generate(model, MLPSpeculatorProposer(spec, MLPSpeculatorConfig(k=3)), enc.input_ids,
+                               enc.attention_mask, max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens) and out.stats.num_accepted_tokens > 0
+    row = enc.input_ids[2][enc.attention_mask[2].bool()]
+    one = speculative_generate(model, MLPSpeculatorProposer(spec, MLPSpeculatorConfig(k=3)), row,
+                               max_new_tokens=N_NEW, temperature=0)
+    assert one.row(0) == ar.row(2)
 
 
 def test_committed_eagle_head_dynamic_tree_greedy_parity(default):

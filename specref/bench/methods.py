@@ -15,7 +15,8 @@ the committed heads (medusa_heads.py) over the tree their file ships, with lossl
 (`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
 T = 0); `hf_static` is transformers' generate with its static cache (which it compiles itself on
 CUDA: the baseline a compiled specref `ar` must match); MTP the committed modules (mtp.py) as a
-chain of k = max(D, 3); EAGLE-2 (`eagle2`, eagle_tree.py) the same EAGLE-1 head growing a dynamic
+chain of k = max(D, 3); the MLP speculator (mlp_speculator.py) its committed stages as a chain of
+k = n_predict, alone or behind prompt lookup (`hybrid_mlp_speculator`); EAGLE-2 (`eagle2`, eagle_tree.py) the same EAGLE-1 head growing a dynamic
 tree, alone or behind prompt lookup (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`,
 `hybrid_eagle3`, eagle3.py) the committed EAGLE-3 head as a chain, a dynamic tree, or behind
 prompt lookup. `ar_fp32` (only with a bf16/fp16
@@ -37,7 +38,8 @@ from ..target import Target
 
 ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",
                "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
-               "medusa_typical", "hybrid_medusa", "mtp", "hf_pld", "hf_assist")
+               "medusa_typical", "hybrid_medusa", "mtp", "mlp_speculator", "hybrid_mlp_speculator", "hf_pld",
+               "hf_assist")
 
 
 def load_model(cfg):

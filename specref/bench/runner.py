@@ -21,6 +21,8 @@ after one untimed warm-up call of each method (32 tokens). Methods:
   medusa_typical  the same heads with Medusa's typical acceptance (LOSSY at T > 0)
   hybrid_medusa   prompt lookup, else the Medusa heads' tree (HybridProposer, mode "select")
   mtp        specref DeepSeek-V3-style MTP modules trained on the frozen target (chain)
+  mlp_speculator         specref MLP speculator (Wertheimer et al. 2024) trained on the frozen target (chain)
+  hybrid_mlp_speculator  prompt lookup, else the MLP speculator's chain
   hf_pld     transformers prompt lookup (`prompt_lookup_num_tokens=10`)
   hf_assist  transformers assisted generation with the same trained draft as `assistant_model`;
              its Vd-row LM head is wrapped to scatter into the full V (-inf outside the map)

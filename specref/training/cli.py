@@ -1,9 +1,10 @@
-"""`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads or MTP modules.
+"""`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads, MTP modules or
+MLP speculator.
 
 The command line over training/data.py (self-distilled data), training/store.py (feature stores:
-`--method medusa`, `mtp`, `eagle3` train on one or more, `eagle` and `draft` with `--store`),
-training/loop.py (the shared loop), training/draft.py, eagle.py, medusa.py and mtp.py (the trained
-proposers) and training/evaluate.py (`--measure-only`, `--eval`).
+`--method medusa`, `mtp`, `eagle3`, `mlp_speculator` train on one or more, `eagle` and `draft` with `--store`),
+training/loop.py (the shared loop), training/draft.py, eagle.py, medusa.py, mtp.py and
+mlp_speculator.py (the trained proposers) and training/evaluate.py (`--measure-only`, `--eval`).
 """
 from __future__ import annotations
 
@@ -22,20 +23,24 @@ def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
-    ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp"), default="draft",
+    ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator"),
+                    default="draft",
                     help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head; eagle3: the EAGLE-3 "
                     "head (training-time test) on a store with its layers (`python -m specref data --layers 2 15 "
                     "27`); medusa: Medusa-1 heads on the feature store (`python -m specref data`); mtp: DeepSeek-V3 "
-                    "MTP modules")
+                    "MTP modules; mlp_speculator: the MLP speculator on the feature store")
     ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled steps of the training-time test "
                     "(1: teacher forcing only)")
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
+    ap.add_argument("--mlp-stages", type=int, default=3, help="mlp_speculator: n_predict stages")
+    ap.add_argument("--mlp-inner-dim", type=int, default=0, help="mlp_speculator: inner_dim (0: the target's "
+                    "hidden size, the target's embedding shared)")
     ap.add_argument("--store", nargs="+", default=None, help="medusa, mtp, eagle3: feature store folders, trained "
                     "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
                     "eagle, draft: train on these stores (`python -m specref data [--distilled FOLDER]`) instead "
                     "of a self-distilled folder")
     ap.add_argument("--init", default=None, metavar="PATH", help="every method on feature stores (eagle and draft "
-                    "with --store): continue training this saved head / draft file (e.g. specref/weights/"
+                    "with --store; mlp_speculator): continue training this saved head / draft file (e.g. specref/weights/"
                     "smollm2_135m_eagle.safetensors), its shape and draft vocabulary kept")
     ap.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
                     "sequences (replaces --steps)")
@@ -114,6 +119,8 @@ def train_main(argv=None) -> int:
         return _medusa(a, train_cfg)
     if a.method == "eagle3":
         return _eagle3(a, train_cfg)
+    if a.method == "mlp_speculator":
+        return _mlp_speculator(a, train_cfg)
     if a.method == "mtp" and a.data:  # a self-distilled data folder, as EAGLE's command
         from .mtp import MTPTrainConfig, run_mtp_command
 
@@ -227,4 +234,17 @@ def _mtp(a, train_cfg: TrainConfig) -> int:
     run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec,
                      init=a.init)
     _export(out / "mtp.safetensors", a.export)
+    return 0
+
+
+def _mlp_speculator(a, train_cfg: TrainConfig) -> int:
+    """The MLP speculator of the default model on feature stores; saved to the run folder and --export."""
+    from .mlp_speculator import MLPSpeculatorTrainConfig, run_mlp_speculator_training
+
+    cfg = MLPSpeculatorTrainConfig(n_predict=a.mlp_stages, inner_dim=a.mlp_inner_dim, draft_vocab=a.draft_vocab,
+                                   target_embedding=a.mlp_inner_dim == 0)
+    target, train, held, out, rec = _from_store(a, "mlp_speculator", cfg.heldout_fraction)
+    run_mlp_speculator_training(target, train, held, train_cfg, cfg, out / "mlp_speculator.safetensors",
+                                run_dir=out, record=rec, init=a.init)
+    _export(out / "mlp_speculator.safetensors", a.export)
     return 0

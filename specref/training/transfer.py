@@ -9,14 +9,14 @@ TrainTask's `evaluate`, exactly as on its held-out training positions. top1 = ho
 head's argmax is the target's argmax given the true context: the greedy acceptance rate of a first
 draft token. Reported per category and over all positions; for heads that draft several tokens
 from one context (Medusa's head k: token t+k+1; MTP's module d: token t+d+1, the modules before it
-teacher-forced) also per head / depth, `top1_by_depth`; for the EAGLE-3 head, per draft position j
+teacher-forced; the MLP speculator's stage d likewise) also per head / depth, `top1_by_depth`; for the EAGLE-3 head, per draft position j
 of its training-time test (its own outputs fed back for the j-1 positions before; every position
 counted from the 4th answer token on, Eagle3TrainConfig.eval_steps).
 
 The answers are evaluation data: measured on, never trained on (their folder is separate from
 every training folder). Run: `python -m specref.training.transfer --eagle OLD.safetensors
 NEW.safetensors --draft OLD.safetensors NEW.safetensors --medusa FILE --mtp FILE --eagle3 FILE
---answers FOLDER`.
+--mlp-speculator FILE --answers FOLDER`.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def top1_by_depth(m: Dict[str, float]) -> List[float]:
         return rank_accuracies(m, heads, 1, prefix="")[:, 0].tolist()
     if "top1_step1" in m:  # Eagle3Task: draft position j after j-1 of its own outputs
         return [m[f"top1_step{j}"] for j in range(1, sum(key.startswith("top1_step") for key in m) + 1)]
-    if "top1_1" in m:  # MTPTask
+    if "top1_1" in m:  # MTPTask, MLPSpeculatorTask
         return [m[f"top1_{d}"] for d in range(1, sum(key.startswith("top1_") for key in m) + 1)]
     return [m.get("top1", 0.0)]
 
@@ -114,6 +114,13 @@ def mtp_task(target, path):
     return MTPTask(load_mtp(target, path)), mtp_info(path)["record"]
 
 
+def mlp_speculator_task(target, path):
+    from ..mlp_speculator import load_mlp_speculator, mlp_speculator_info
+    from .mlp_speculator import MLPSpeculatorTask
+
+    return MLPSpeculatorTask(load_mlp_speculator(target, path)), mlp_speculator_info(path)["record"]
+
+
 def eagle3_task(target, path):
     from ..eagle3 import eagle3_info, load_eagle3
     from .eagle3 import Eagle3Task
@@ -142,6 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--medusa", nargs="*", default=[], help="Medusa heads files")
     ap.add_argument("--mtp", nargs="*", default=[], help="MTP modules files")
     ap.add_argument("--eagle3", nargs="*", default=[], help="EAGLE-3 head files (their layers' features)")
+    ap.add_argument("--mlp-speculator", nargs="*", default=[], help="MLP speculator files")
     ap.add_argument("--answers", required=True, help="folder of the target's answers (made on first use)")
     ap.add_argument("--question-file", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -149,8 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    if not (a.eagle or a.draft or a.medusa or a.mtp or a.eagle3):
-        raise ValueError("pass at least one head: --eagle / --draft / --medusa / --mtp / --eagle3 FILE ...")
+    if not (a.eagle or a.draft or a.medusa or a.mtp or a.eagle3 or a.mlp_speculator):
+        raise ValueError("pass at least one head: --eagle / --draft / --medusa / --mtp / --eagle3 / "
+                         "--mlp-speculator FILE ...")
     if a.threads:
         torch.set_num_threads(a.threads)
     from ..models import load_default
@@ -161,12 +170,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for q in target.parameters():
         q.requires_grad_(False)
     seqs, cats = answers(target, tok, a.answers, a.question_file, a.max_new_tokens, a.gen_batch_size)
-    if a.eagle or a.medusa or a.mtp:  # heads that read the target's final normed states
+    if a.eagle or a.medusa or a.mtp or a.mlp_speculator:  # heads that read the target's final normed states
         with torch.no_grad():
             attach_features(target, seqs)
     results, layers = {}, None
     for kind, paths, make in (("eagle", a.eagle, eagle_task), ("draft", a.draft, draft_task),
                               ("medusa", a.medusa, medusa_task), ("mtp", a.mtp, mtp_task),
+                              ("mlp_speculator", a.mlp_speculator, mlp_speculator_task),
                               ("eagle3", a.eagle3, eagle3_task)):  # last: it replaces the features
         for p in paths:
             task, record = make(target, p)

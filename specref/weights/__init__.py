@@ -1,6 +1,7 @@
 """Trained proposer files: the committed weights in this folder, and the code that writes and reads them.
 
-Every learned proposer (the trained draft model, the EAGLE head, Medusa heads, MTP modules) is
+Every learned proposer (the trained draft model, the EAGLE head, Medusa heads, MTP modules, the MLP
+speculator) is
 saved the same way: its trained tensors in ONE safetensors file (never pickle) with string metadata: a `format` tag naming the kind of file, the `target_fingerprint` of the model it
 was trained for, and a JSON `record` of how it was made (data, settings, held-out numbers). Method
 modules load their files through this module and training writes them through it, so a method
@@ -18,6 +19,7 @@ The files committed here (`python -m specref train` rebuilds them; BENCHMARKS.md
   smollm2_135m_eagle.safetensors   the EAGLE-1 head of the default model
   smollm2_135m_medusa.safetensors  the Medusa heads of the default model (and the tree they ship)
   smollm2_135m_mtp.safetensors     the MTP module of the default model
+  smollm2_135m_mlp_speculator.safetensors  the MLP speculator of the default model (3 tied stages)
 """
 from __future__ import annotations
 
