@@ -20,7 +20,7 @@ import torch
 
 from ..sampling import SamplingConfig
 from . import stats
-from .check import Report, TestResult, check_bound, decide, needed
+from .report import Report, TestResult, check_bound, decide, needed
 
 
 def exact_joint(model, prompt: torch.Tensor, L: int, sampling: SamplingConfig) -> np.ndarray:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from .adapters import check_args
-from .check import Report, TestResult, check_bound, run_looks
 from .lossless import lossless_tests, num_depths
+from .report import Report, TestResult, check_bound, run_looks
 from .stats import chi_square_gof, detectable_tv, tv_distance
 from .tree_adapters import adapt_tree, path_errors
 from .tree_cases import TreeCase, depths, draw_tree_rows, sequence_cases, standard_tree_cases

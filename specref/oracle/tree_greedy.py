@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .adapters import Malformed, check_args
-from .check import Report
+from .report import Report
 from .tree_adapters import adapt_tree, path_errors
 
 GREEDY_CASES = (("V2", 2, 8), ("V5", 5, 10), ("V50", 50, 12))  # (name, vocab, most nodes per row)
