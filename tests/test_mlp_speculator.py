@@ -375,5 +375,5 @@ def test_bad_config(trained):
     assert cost["k"] == 2 and cost["c"] == pytest.approx(cost["t_chain"] / 2 / cost["t_target"])
     from specref.training.cli import train_main
 
-    with pytest.raises(ValueError, match="--init"):
-        train_main(["--method", "mtp", "--init", "x.safetensors"])
+    with pytest.raises(ValueError, match="--init"):  # eagle continues a head trained on stores only
+        train_main(["--method", "eagle", "--init", "x.safetensors"])
