@@ -195,12 +195,14 @@ def _requests(folder: Path) -> List[dict]:
 
 
 def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, command: str = "",
-             shard_sequences: int = SHARD_SEQUENCES, model_name: str = "") -> dict:
+             shard_sequences: int = SHARD_SEQUENCES, model_name: str = "", drop_overlap: bool = False) -> dict:
     """Append a self-distilled folder (data.py's format) to the corpus as part `name`.
 
     Refused: a name already used, a folder for another model than the corpus's, no evaluation file
     to check against, or any word 13-gram shared with one (requests, and with `tokenizer` every
-    decoded sequence). Returns the part's record (also written to the manifest)."""
+    decoded sequence). drop_overlap=True instead leaves out the requests and sequences that share
+    one (counted in the manifest's overlap record: the part written has none). Returns the part's
+    record (also written to the manifest)."""
     from .corpus import word_ngrams
 
     root, folder = Path(root), Path(folder)
@@ -223,10 +225,15 @@ def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, comm
     texts = [r["instruction"] for r in requests]
     if tokenizer is not None:
         texts += tokenizer.batch_decode([s.tokens.tolist() for s in seqs], skip_special_tokens=True)
-    hits = sum(not grams.isdisjoint(word_ngrams(t)) for t in texts)
-    if hits:
-        raise ValueError(f"{folder}: {hits} texts share a word {NGRAM}-gram with {[c['name'] for c in checked]}; "
-                         "refused (filter the requests and regenerate)")
+    hit = [not grams.isdisjoint(word_ngrams(t)) for t in texts]  # requests first, then sequences
+    dropped = {"requests": sum(hit[: len(requests)]), "sequences": sum(hit[len(requests):])}
+    if any(hit) and not drop_overlap:
+        raise ValueError(f"{folder}: {sum(hit)} texts share a word {NGRAM}-gram with {[c['name'] for c in checked]}; "
+                         "refused (pass drop_overlap=True / --drop-overlap to leave them out, or regenerate)")
+    if any(hit):
+        seq_hit = hit[len(requests):] if tokenizer is not None else [False] * len(seqs)
+        requests = [r for r, h in zip(requests, hit) if not h]
+        seqs = [s for s, h in zip(seqs, seq_hit) if not h]
     files = []
     for i in range(0, len(seqs), shard_sequences):
         rel = f"parts/{name}/answers_{i // shard_sequences:05d}.safetensors.xz"
@@ -244,7 +251,8 @@ def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, comm
                        "target or by the project",
             "counts": {k: sum(f.get(k, 0) for f in files) for k in ("sequences", "tokens", "answer_tokens")},
             "overlap": {"n": NGRAM, "unit": "word (lower-cased \\w+ runs)", "checked_against": checked,
-                        "texts_checked": len(texts), "hits": 0, "decoded_sequences": tokenizer is not None},
+                        "texts_checked": len(texts), "hits": 0, "decoded_sequences": tokenizer is not None,
+                        "dropped": dropped},
             "files": files, "data_manifest": src}
     man["parts"].append(part)
     _write_manifest(root, man)
@@ -297,6 +305,8 @@ def corpus_main(argv=None) -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--eval-file", nargs="+", required=True, help="evaluation JSONL files to check 13-gram overlap with")
     p.add_argument("--command", default="", help="the data command that wrote the folder (recorded)")
+    p.add_argument("--drop-overlap", action="store_true", help="leave out the requests and sequences that share "
+                   "a 13-gram with an evaluation file (counted in the manifest) instead of refusing the part")
     sub.add_parser("verify", help="check every file against its sha256")
     p = sub.add_parser("export", help="write a distilled folder for `python -m specref data --distilled`")
     p.add_argument("--out", required=True)
@@ -311,7 +321,7 @@ def corpus_main(argv=None) -> int:
 
         _, tok = load_default()
         part = add_part(a.root, a.folder, a.name, a.eval_file, tokenizer=tok, command=a.command,
-                        model_name="SmolLM2-135M-Instruct (specref.load_default())")
+                        model_name="SmolLM2-135M-Instruct (specref.load_default())", drop_overlap=a.drop_overlap)
         print(json.dumps({"part": a.name, "counts": part["counts"], "overlap": part["overlap"]["hits"]}))
     elif a.cmd == "verify":
         man = verify(a.root)

@@ -110,6 +110,24 @@ def test_part_refusals(tmp_path):
     assert [p["name"] for p in cc.verify(root)["parts"]] == ["A"]  # nothing refused was written
 
 
+def test_drop_overlap_leaves_out_what_shares_a_13_gram(tmp_path):
+    root, ev = tmp_path / "corpus", _eval_file(tmp_path)
+    leaked = "Tell me: what is the capital city of France and why is it famous among travellers today?"
+
+    class Tok:  # decodes the second sequence as a text quoting the evaluation question
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return [leaked if i == 1 else "an answer about the sea" for i in range(len(ids))]
+
+    seqs = _seqs(3)
+    folder = _folder(tmp_path, "A", seqs, requests=("Write a poem about the sea and the wind tonight please", leaked))
+    with pytest.raises(ValueError, match="13-gram"):
+        cc.add_part(root, folder, "A", [ev], tokenizer=Tok())
+    part = cc.add_part(root, folder, "A", [ev], tokenizer=Tok(), drop_overlap=True)
+    assert part["overlap"]["dropped"] == {"requests": 1, "sequences": 1} and part["overlap"]["hits"] == 0
+    assert part["counts"]["sequences"] == 2 and part["files"][-1]["rows"] == 1
+    _same(list(cc.iter_corpus(root)), [seqs[0], seqs[2]])
+
+
 def test_the_committed_corpus_verifies():
     man = cc.verify(REPO / "corpus")
     assert man["model"]["fingerprint"] == "0c6c5ffa613680e4"  # SmolLM2-135M-Instruct (load_default)
