@@ -74,7 +74,7 @@ def _load_model(cfg):
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, local_files_only=True)
         model = model.to(cfg.device).eval()
         tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
-        name = cfg.model
+        name = Path(cfg.model).name  # a folder by its name, not a path of this machine
 
     def encode(text: str) -> List[int]:
         out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

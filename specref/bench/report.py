@@ -127,6 +127,14 @@ def _mean_load(result: dict) -> str:
     return f"{statistics.fmean(loads):.2f}" if loads else "n/a"
 
 
+
+def _workload_note(meta: dict) -> str:
+    """The workload's sha256, and that the default one is not Spec-Bench (older results: nothing)."""
+    w = meta.get("workload")
+    if not w:
+        return ""
+    return f" (sha256 {w['sha256'][:12]}" + ("; the workload shipped with specref, NOT Spec-Bench)" if w.get("default") else ")")
+
 def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     meta, summ = result["meta"], result["summary"]
     mach, cfg = meta["machine"], meta["config"]
@@ -146,7 +154,7 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
              f"- Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}.",
              f"- Model: {meta['model']}, {cfg['dtype']}, device {cfg['device']}, compile {cfg['compile']}; "
              f"{meta['num_questions']} questions ({'all' if cfg['questions'] is None else cfg['questions']} "
-             f"per category, first in file order) of `{os.path.basename(meta['question_file'])}`, first "
+             f"per category, first in file order) of `{os.path.basename(meta['question_file'])}`{_workload_note(meta)}, first "
              f"turn through the chat template; {cfg['max_new_tokens']} new tokens; temperature "
              f"{cfg['temperature']}; batch 1; KV cache of specref methods: {meta['cache']}.",
              "- Interleaved: every method runs on a question before any runs on the next (order rotated "

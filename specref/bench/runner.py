@@ -1,4 +1,8 @@
-"""`python -m specref bench`: every decoding method side by side on Spec-Bench, in one process.
+"""`python -m specref bench`: every decoding method side by side on one prompt set, in one process.
+
+The prompts: `--question-file FILE` (Spec-Bench's question.jsonl or any JSONL of its shape), else
+$SPECREF_SPEC_BENCH, else the workload shipped with specref (`specref-workload`, NOT Spec-Bench;
+workloads.py). Every result names the workload it ran (name, sha256, rows).
 
 Spec-Bench (Xia et al. 2024, "Unlocking Efficiency in Large Language Model Inference: A
 Comprehensive Survey of Speculative Decoding") compares speculative methods on one machine, one
@@ -37,8 +41,7 @@ v = the method's verify forward / one `ar` forward (what the closed form leaves 
 greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
 Batch > 1: `--batch-size 1 4 16` (bench/batch.py). `--pick`: the picker (picker.py) calibrates on
 the same prompts and methods after the warm-up, timed apart, and its predictions are compared with
-the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png). Left out: second turns, methods not yet in specref
-(Medusa, EAGLE-2/3, MTP).
+the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png). Left out: second turns.
 """
 from __future__ import annotations
 
@@ -56,10 +59,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..target import Target, TargetConfig
+from ..workloads import describe, label, portable_name, question_file
 from .methods import ALL_METHODS, build_methods, load_model
 from .report import first_difference
 
-QUESTION_REL = Path("shared") / "data" / "spec_bench" / "question.jsonl"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -76,7 +79,7 @@ class BenchConfig:
     compile: bool = False  # specref target forwards under torch.compile (prefill stays eager)
     dtype: str = "float32"  # model weights: float32 | bfloat16 | float16
     attn: Optional[str] = None  # the model's attention implementation (e.g. "eager", "sdpa"); None: its own
-    question_file: Optional[str] = None  # None: $SPECREF_SPEC_BENCH, else found above the package
+    question_file: Optional[str] = None  # None: $SPECREF_SPEC_BENCH, else the shipped default workload
     model: str = "default"  # "default" (SmolLM2-135M-Instruct), a local model folder, or "tiny" (tests)
     draft_k: Optional[int] = None  # None: closed-form optimal k from the draft's alpha and measured c
     # (the trained draft's k; the EAGLE head's upper bound on its adaptive k)
@@ -92,20 +95,9 @@ class BenchConfig:
 
 
 def find_question_file(path: Optional[str] = None) -> Path:
-    """The Spec-Bench JSONL: `path`, else $SPECREF_SPEC_BENCH (a file or its folder), else the first
-    shared/data/spec_bench/question.jsonl found walking up from the package folder."""
-    cand = path or os.environ.get("SPECREF_SPEC_BENCH")
-    if cand:
-        p = Path(cand).expanduser()
-        p = p / "question.jsonl" if p.is_dir() else p
-        if not p.is_file():
-            raise ValueError(f"question file {str(p)!r} does not exist")
-        return p
-    for d in [Path(__file__).resolve().parent, *Path(__file__).resolve().parents]:
-        if (d / QUESTION_REL).is_file():
-            return d / QUESTION_REL
-    raise ValueError(f"no {QUESTION_REL} above {Path(__file__).resolve().parent}; pass --question-file "
-                     "or set SPECREF_SPEC_BENCH")
+    """The prompts: `path`, else $SPECREF_SPEC_BENCH (a file or its folder), else the default
+    workload shipped with specref (NOT Spec-Bench; workloads.py)."""
+    return question_file(path)
 
 
 def load_questions(path: Path, categories: Optional[tuple], per_category: Optional[int]) -> List[dict]:
@@ -182,9 +174,12 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     t_start = time.perf_counter()
     machine, date = _machine(torch.device(cfg.device)), time.strftime("%Y-%m-%d %H:%M:%S %Z")
     qfile = find_question_file(cfg.question_file)
+    workload = describe(qfile)
     questions = load_questions(qfile, cfg.categories, cfg.questions)
     if not questions:
-        raise ValueError(f"no questions selected from {qfile}")
+        raise ValueError(f"no questions selected from {workload['name']}")
+    if cfg.progress or cfg.model != "tiny":
+        print(label(workload), file=sys.stderr)
     model, encode, eos, model_name = load_model(cfg)
     dev = model.device
     if cfg.compile:
@@ -242,7 +237,9 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             rec["first_diff"] = first_difference(rec["tokens"], base["tokens"]) if cfg.temperature == 0 else None
             rec["identical"] = (rec["first_diff"] is None) if cfg.temperature == 0 else None
     meta = dict(command=command, date=date, model=model_name,
-                question_file=str(qfile), config={**asdict(cfg), "question_file": str(qfile)},
+                question_file=workload["name"], workload=workload,
+                config={**asdict(cfg), "question_file": workload["name"], "model": portable_name(cfg.model),
+                        "weights": [(kind, portable_name(p)) for kind, p in cfg.weights]},
                 skipped=skipped, num_questions=len(questions), machine=machine,
                 labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},
                 ks={m.name: m.k for m in methods}, cache="fixed" if fixed else "per question, 128-slot buckets")
@@ -291,7 +288,8 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--attn", default=None, choices=("eager", "sdpa"),
                     help="the model's attention implementation (default: as loaded, sdpa); bf16 with "
                          "eager attention was block-invariant here (docs/experiments.md, bf16 on CPU)")
-    ap.add_argument("--question-file", default=None, help="Spec-Bench-format JSONL (default: found)")
+    ap.add_argument("--question-file", default=None, help="Spec-Bench's question.jsonl or any JSONL of its shape "
+                    "(default: $SPECREF_SPEC_BENCH, else the workload shipped with specref, which is NOT Spec-Bench)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")
     ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft, and "
                     "the most per step of the EAGLE head (default: closed-form optimum)")
@@ -349,9 +347,12 @@ def bench_main(argv=None) -> int:
     if sizes != [1]:
         from .batch import run_batch_bench, write_batch_outputs
 
-        qs = load_questions(find_question_file(cfg.question_file), cfg.categories, cfg.questions)
+        qfile = find_question_file(cfg.question_file)
+        qs = load_questions(qfile, cfg.categories, cfg.questions)
+        print(label(describe(qfile)), file=sys.stderr)
         with torch.inference_mode():
             result = run_batch_bench(cfg, sizes, qs, command.strip())
+        result["meta"]["workload"] = describe(qfile)
         md = None if a.markdown == "none" else Path(a.markdown)
         print(write_batch_outputs(result, Path(a.out) / "batch", md))
         bad = [(B, n) for B, per in result["rows"].items() for n, r in per.items() if r["identical"] is False]
@@ -363,6 +364,7 @@ def bench_main(argv=None) -> int:
     md = None if a.markdown == "none" else Path(a.markdown)
     paths = write_outputs(result, Path(a.out), md)
     print("\n" + paths["table"])
+    print("\n" + label(result["meta"]["workload"]))
     print("\nwrote " + ", ".join(str(p) for k, p in paths.items() if k != "table"))
     if "picker" in result:
         from ..picker import save

@@ -210,7 +210,7 @@ def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, comm
         raise ValueError(f"name={name!r}: use letters, digits, '-' and '_'")
     if not eval_files:
         raise ValueError("eval_files is empty: pass the evaluation sets to check the part against "
-                         "(e.g. Spec-Bench's question.jsonl)")
+                         "(e.g. Spec-Bench's question.jsonl: --eval-file, or set SPECREF_SPEC_BENCH)")
     src = read_manifest(folder)
     man = read_corpus_manifest(root) if (root / "manifest.json").is_file() else {
         "format": FORMAT, "model": {"name": model_name, "fingerprint": src.get("model_fingerprint")}, "parts": []}
@@ -303,7 +303,8 @@ def corpus_main(argv=None) -> int:
     p = sub.add_parser("add", help="append a self-distilled folder as a new part")
     p.add_argument("folder")
     p.add_argument("--name", required=True)
-    p.add_argument("--eval-file", nargs="+", required=True, help="evaluation JSONL files to check 13-gram overlap with")
+    p.add_argument("--eval-file", nargs="+", default=None, help="evaluation JSONL files to check 13-gram overlap "
+                   "with (default: $SPECREF_SPEC_BENCH; a part is never added unchecked)")
     p.add_argument("--command", default="", help="the data command that wrote the folder (recorded)")
     p.add_argument("--drop-overlap", action="store_true", help="leave out the requests and sequences that share "
                    "a 13-gram with an evaluation file (counted in the manifest) instead of refusing the part")
@@ -320,7 +321,9 @@ def corpus_main(argv=None) -> int:
         from ..models import load_default
 
         _, tok = load_default()
-        part = add_part(a.root, a.folder, a.name, a.eval_file, tokenizer=tok, command=a.command,
+        from .corpus import eval_files
+
+        part = add_part(a.root, a.folder, a.name, eval_files(a.eval_file), tokenizer=tok, command=a.command,
                         model_name="SmolLM2-135M-Instruct (specref.load_default())", drop_overlap=a.drop_overlap)
         print(json.dumps({"part": a.name, "counts": part["counts"], "overlap": part["overlap"]["hits"]}))
     elif a.cmd == "verify":

@@ -29,7 +29,9 @@ at paragraph (code: top-level statement) boundaries into chunks of about `CHUNK_
 
 Contamination: `overlap_filter` drops every document sharing a WORD 13-gram (lower-cased \\w+ runs,
 the GPT-3 paper's decontamination unit, Brown et al. 2020 App. C) with the development questions
-(../shared/data/spec_bench/question.jsonl, all turns); the counts before and after go to the manifest.
+(the evaluation files given, `eval_files`: by default Spec-Bench's development split through
+$SPECREF_SPEC_BENCH, all turns); the counts before and after, and the files checked (by name and
+sha256), go to the manifest.
 `passage_requests` reuses the same real text as the PASSAGE of a request (summarise /
 answer about / extract from / translate it) that the target then answers (data.py's third stage):
 the long pasted contexts of summarisation, RAG and translation requests, which the target's own
@@ -52,7 +54,6 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 CHUNK_CHARS = 2400  # ~600-800 tokens of English prose; the store truncates at max_len anyway
 NGRAM = 13  # contamination n-gram length, in words
-DEV_QUESTIONS = Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Source:
     """A named list of documents with its provenance, recorded in the store's manifest."""
 
     name: str
-    origin: str  # package + version + path
+    origin: str  # package + version + where it installs (no path of this machine)
     licence: str
     docs: List[Doc]
     weight: float = 1.0  # share of the interleaved token stream (store.py)
@@ -184,7 +185,7 @@ def python_stdlib(root: Optional[str] = None) -> Source:
             key = f"{rel}#{i}"
             user = _pick(CODE_PROMPTS, key).format(n=n, m=mod)
             docs.append(Doc("python-stdlib", key, (("user", user), ("assistant", f"```python\n{c}\n```"))))
-    return Source("python-stdlib", f"Python {sys.version.split()[0]} standard library: {root}", "PSF-2.0",
+    return Source("python-stdlib", f"Python {sys.version.split()[0]} standard library: <python prefix>/lib/{root.name}", "PSF-2.0",
                   docs, weight=2.0)
 
 
@@ -247,7 +248,7 @@ def chatterbot() -> Source:
             msgs = tuple(("user" if j % 2 == 0 else "assistant", t) for j, t in enumerate(turns))
             docs.append(Doc("chatterbot", f"{path.relative_to(root)}#{i}", msgs))
     ver = importlib.metadata.version("chatterbot-corpus")
-    return Source("chatterbot", f"PyPI chatterbot-corpus {ver}: {root}/*/*.yml", "BSD-3-Clause", docs, weight=1.0)
+    return Source("chatterbot", f"PyPI chatterbot-corpus {ver}: <site-packages>/chatterbot_corpus/data/*/*.yml", "BSD-3-Clause", docs, weight=1.0)
 
 
 # ----------------------------------------------------------------------------- self-distilled, tokens
@@ -261,7 +262,7 @@ def distilled(folder, tokenizer=None) -> Source:
     for i, s in enumerate(iter_sequences(folder)):
         text = tokenizer.decode(s.tokens.tolist(), skip_special_tokens=True) if tokenizer is not None else ""
         docs.append(Doc("distilled", f"{i}", tokens=tuple(s.tokens.tolist()), prompt_len=s.prompt_len, text_hint=text))
-    return Source("distilled", f"specref self-distillation {folder} (fingerprint {man.get('model_fingerprint')})",
+    return Source("distilled", f"specref self-distillation {Path(folder).name} (fingerprint {man.get('model_fingerprint')})",
                   "the target's own output (Apache-2.0 model)", docs, weight=2.0)
 
 
@@ -413,13 +414,33 @@ def word_ngrams(text: str, n: int = NGRAM) -> Set[Tuple[str, ...]]:
     return {tuple(w[i: i + n]) for i in range(len(w) - n + 1)}
 
 
-def dev_ngrams(path=DEV_QUESTIONS, n: int = NGRAM) -> Set[Tuple[str, ...]]:
-    """The word n-grams of every turn of the development questions."""
+def eval_files(paths: Optional[Sequence] = None) -> List[Path]:
+    """The evaluation files a contamination check runs against: `paths`, else Spec-Bench's
+    development split through $SPECREF_SPEC_BENCH, else none (the check is skipped; the manifest
+    says so)."""
+    from ..workloads import spec_bench_file
+
+    if paths:
+        return [spec_bench_file(p) for p in paths]
+    found = spec_bench_file(required=False)
+    return [found] if found else []
+
+
+def checked_against(paths: Sequence) -> list:
+    """What a manifest records of the files checked: name, sha256, rows (never a path)."""
+    from ..workloads import describe
+
+    return [{k: v for k, v in describe(p).items() if k != "default"} for p in paths]
+
+
+def dev_ngrams(paths: Sequence, n: int = NGRAM) -> Set[Tuple[str, ...]]:
+    """The word n-grams of every turn of the evaluation files `paths` (a path alone is one file)."""
     grams: Set[Tuple[str, ...]] = set()
-    for line in open(path, encoding="utf-8"):
-        if line.strip():
-            for turn in json.loads(line).get("turns", []):
-                grams |= word_ngrams(turn, n)
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for line in open(path, encoding="utf-8"):
+            if line.strip():
+                for turn in json.loads(line).get("turns", []):
+                    grams |= word_ngrams(turn, n)
     return grams
 
 

@@ -290,7 +290,7 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
     manifest = {
         "format": FORMAT, "seed": config.seed, "settings": asdict(config),
         "instructions": str(Path(instructions_path).name), "num_instructions": len(rows),
-        "model_fingerprint": fingerprint(model), "model": getattr(model.config, "_name_or_path", ""),
+        "model_fingerprint": fingerprint(model), "model": Path(getattr(model.config, "_name_or_path", "") or "").name,
         "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
         "corpora": "none (self-distilled only; second-stage passages are the target's own answers; "
                    "self-instruct requests are the target's own text)" if not config.real_passages else

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -144,7 +145,7 @@ def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     V = target.get_output_embeddings().weight.shape[0]
     if init is not None:
         draft, token_map = load_trained_draft(target, init)
-        data_record = {**(data_record or {}), "init": str(init)}
+        data_record = {**(data_record or {}), "init": Path(str(init)).name}
     else:
         token_map = build_token_map(train, V, draft_cfg.draft_vocab)
         draft = build_draft(target, draft_cfg.num_layers, token_map)

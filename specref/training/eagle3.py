@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -177,7 +178,7 @@ def run_eagle3_training(target: torch.nn.Module, train_seqs: Sequence[Seq], held
         from ..eagle3 import load_eagle3
 
         head = load_eagle3(target, init)  # fit() puts it in training mode
-        record = {**(record or {}), "init": str(init)}
+        record = {**(record or {}), "init": Path(str(init)).name}
     else:
         head = Eagle3Head(target, build_token_map(train_seqs, V, min(cfg.draft_vocab, V)), layers=layers,
                           seed=train_cfg.seed)

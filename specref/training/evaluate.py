@@ -14,12 +14,13 @@ from typing import Dict, Optional
 
 import torch
 
-from ..bench.runner import find_question_file, load_questions
+from ..bench.runner import load_questions
 from ..costs import measure_cost
 from ..draft_model import DraftModelConfig, DraftModelProposer
 from ..generate import autoregressive_generate, speculative_generate
 from ..target import Target
 from ..theory import optimal_k, speedup
+from ..workloads import spec_bench_file
 from .data import chat_prompt_ids
 
 
@@ -38,7 +39,7 @@ def measure_draft(target, tokenizer, draft, token_map, *, questions=None, per_ca
         k = optimal_k(float(alpha), cost["c"])
     eos = getattr(target.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     V = tgt.vocab_size
-    rows = load_questions(find_question_file(questions), None, per_category)
+    rows = load_questions(spec_bench_file(questions), None, per_category)
 
     def run(which, ids):
         if which == "ar":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -133,7 +134,7 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
         from ..medusa_heads import load_medusa
 
         heads = load_medusa(target, init)
-        data_record = {**(data_record or {}), "init": str(init)}
+        data_record = {**(data_record or {}), "init": Path(str(init)).name}
     else:
         token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
         heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers,

@@ -140,7 +140,7 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
         from ..mtp import load_mtp
 
         stack = load_mtp(target, init)
-        record = {**(record or {}), "init": str(init)}
+        record = {**(record or {}), "init": Path(str(init)).name}
     else:
         token_map = build_token_map(train_seqs, V, min(mtp_cfg.draft_vocab, V))
         stack = MTPStack(target, token_map, num_modules=mtp_cfg.num_modules, seed=train_cfg.seed)

@@ -25,12 +25,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from . import data
-from .corpus import DEV_QUESTIONS, NGRAM, dev_ngrams, word_ngrams
+from .corpus import NGRAM, checked_against, dev_ngrams, eval_files, word_ngrams
 
 KINDS = {  # category -> system-turn hints (written for specref)
     "writing": ("The user asks you to write a short story.", "The user asks you to write a poem.",
@@ -202,18 +202,20 @@ def filter_counts(out_dir) -> dict:
     return total
 
 
-def distill(model, tokenizer, out_dir, config: "data.DistillConfig", progress: bool = True, **kwargs) -> dict:
+def distill(model, tokenizer, out_dir, config: "data.DistillConfig", progress: bool = True,
+            evals: Optional[Sequence] = None, **kwargs) -> dict:
     """data.distill, with config.self_instruct requests written by the target first (into out_dir,
-    filtered against the development split's 13-grams when its file is here)."""
+    filtered against the 13-grams of the evaluation files `evals`, default corpus.eval_files())."""
     if not config.self_instruct:
         return data.distill(model, tokenizer, out_dir, config, progress=progress, **kwargs)
-    grams = dev_ngrams() if DEV_QUESTIONS.is_file() else None
+    evals = eval_files() if evals is None else list(evals)
+    grams = dev_ngrams(evals) if evals else None
     cfg = SelfInstructConfig(num_requests=config.self_instruct, batch_size=config.batch_size, seed=config.seed,
                              chunk=min(256, max(config.batch_size, 2 * config.self_instruct)))
     rows = write_requests(model, tokenizer, out_dir, cfg, grams, progress)
     info = {"method": "Magpie-style user turns under kind/topic hints (self_instruct.py)",
             "requests": len(rows), "per_category": categories(rows), "filter": filter_counts(out_dir),
-            "dev_overlap_checked_against": str(DEV_QUESTIONS) if grams is not None else None}
+            "dev_overlap_checked_against": checked_against(evals) or None}
     return data.distill(model, tokenizer, out_dir, config, progress=progress, requests=(rows, info), **kwargs)
 
 

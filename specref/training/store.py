@@ -309,7 +309,7 @@ def build_store(target: torch.nn.Module, tokenizer, sources: Sequence[Source], o
     fp = fingerprint(target)
     src = [s.record() for s in sources]
     mpath = out / "manifest.json"
-    man = {"format": FORMAT, "model": getattr(target.config, "_name_or_path", ""), "model_fingerprint": fp,
+    man = {"format": FORMAT, "model": Path(getattr(target.config, "_name_or_path", "") or "").name, "model_fingerprint": fp,
            "dtype": str(next(target.parameters()).dtype), "settings": settings, "tokens_requested": cfg.tokens,
            "sources": src, "shards": {}, **(extra or {})}
     if mpath.is_file():
@@ -420,7 +420,10 @@ def data_main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shard after this long")
+    ap.add_argument("--eval-file", nargs="+", default=None, help="evaluation JSONL files that no training text may "
+                    "share a word 13-gram with (default: $SPECREF_SPEC_BENCH; neither: unchecked, said in the manifest)")
     a = ap.parse_args(argv)
+    evals = corpus.eval_files(a.eval_file)  # the contamination check's files (by name in the manifest)
     if not a.sources and not a.distilled:
         raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")
     generate = bool(a.self_instruct or a.num_instructions or a.passage_prompts or a.real_passages)
@@ -448,24 +451,25 @@ def data_main(argv=None) -> int:
                              self_instruct=a.self_instruct, real_passages=a.real_passages)
         passages = None
         if a.real_passages:
-            grams = corpus.dev_ngrams() if corpus.DEV_QUESTIONS.is_file() else None
+            grams = corpus.dev_ngrams(evals) if evals else None
             passages = corpus.passage_requests(corpus.load_sources(["python-docs", "debian-reference"]),
                                                a.real_passages, a.seed, grams=grams)
             if len(passages[0]) < a.real_passages:
                 raise ValueError(f"--real-passages {a.real_passages}: only {len(passages[0])} requests pass the "
                                  "development split's 13-gram filter")
-            passages[1]["dev_overlap_checked_against"] = str(corpus.DEV_QUESTIONS) if grams is not None else None
-        dman = distill(target, tok, a.distilled, dcfg, passages=passages)
+            passages[1]["dev_overlap_checked_against"] = corpus.checked_against(evals) or None
+        dman = distill(target, tok, a.distilled, dcfg, passages=passages, evals=evals)
         print(json.dumps({"distilled": a.distilled, "seconds": round(time.perf_counter() - t0, 1),
                           "counts": dman["counts"]}), flush=True)
         t0 = time.perf_counter()
-    grams = corpus.dev_ngrams()
+    grams = corpus.dev_ngrams(evals)
     sources = [corpus.overlap_filter(s, grams) for s in corpus.load_sources(a.sources, a.distilled, tok)]
     t_src = time.perf_counter() - t0
     out = Path(a.out) if a.out else cache_root() / "store"
     man = build_store(target, tok, sources, out, cfg, max_seconds=a.max_seconds,
                       extra={"device": a.device, "threads": torch.get_num_threads(),
-                             "contamination_check": {"against": str(corpus.DEV_QUESTIONS), "n": corpus.NGRAM,
+                             "contamination_check": {"against": corpus.checked_against(evals) or
+                                                     "nothing: no evaluation file given", "n": corpus.NGRAM,
                                                      "unit": "word (lower-cased \\w+ runs)"}})
     print(json.dumps({"out": str(out), "sources_seconds": round(t_src, 1), "counts": man["counts"],
                       "throughput": man["throughput"], "this_run": man["this_run"],

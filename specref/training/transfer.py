@@ -36,9 +36,10 @@ def answers(model, tokenizer, folder, question_file=None, max_new_tokens: int = 
             topk: int = 32, progress: bool = True) -> Tuple[List[Seq], List[str]]:
     """The target's greedy answers to the first turn of every question (made once, then read back)
     -> (sequences with stored top-k, their categories)."""
-    from ..bench.runner import find_question_file, load_questions
+    from ..bench.runner import load_questions
+    from ..workloads import spec_bench_file
 
-    rows = load_questions(find_question_file(question_file), None, None)
+    rows = load_questions(spec_bench_file(question_file), None, None)  # the evaluation questions
     instr = [{"id": i, "category": r["category"], "instruction": r["turns"][0]} for i, r in enumerate(rows)]
     cfg = DistillConfig(max_new_tokens=max_new_tokens, batch_size=batch_size, topk=topk, temperature=0.0)
     out = Path(folder)

@@ -185,12 +185,13 @@ def test_several_stores_train_together(tmp_path):
 
 
 def test_overlap_filter_removes_a_document_quoting_a_dev_question():
-    if not corpus.DEV_QUESTIONS.is_file():
-        pytest.skip(f"no development questions at {corpus.DEV_QUESTIONS}")
-    q = json.loads(open(corpus.DEV_QUESTIONS, encoding="utf-8").readline())["turns"][0]
+    dev = corpus.eval_files()  # Spec-Bench's development split through $SPECREF_SPEC_BENCH (CI sets it)
+    if not dev:
+        pytest.skip("no development questions: set SPECREF_SPEC_BENCH to Spec-Bench's question.jsonl")
+    q = json.loads(open(dev[0], encoding="utf-8").readline())["turns"][0]
     words = re.findall(r"\w+", q)  # the filter's words
     assert len(words) >= 14
-    grams = corpus.dev_ngrams()
+    grams = corpus.dev_ngrams(dev)
     quote = "As asked: " + " ".join(words[:13]) + " thanks"  # 13 words of the question
     quoting = Doc("s", "quote", (("user", "Please help."), ("assistant", quote)))
     twelve = Doc("s", "twelve", (("user", "Hi."), ("assistant", " ".join(words[:12]) + " zebra")))  # 12 words: kept

@@ -1,0 +1,52 @@
+"""Nothing in the repository depends on, or records, where one machine keeps its files.
+
+(a) The library never reaches outside its checkout for data: no `shared/` folder beside the
+repository, no walking up past the package (`parents[3]`), no home, work or temp folder. (System
+package locations that the training sources document, such as /usr/share/doc, are install
+locations, not paths of a machine, and are allowed.)
+(b) No committed result, manifest or document names an absolute path of the machine that wrote it:
+a prompt file is named by its name (and sha256), the model by its name and fingerprint.
+"""
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MACHINE = re.compile(r"(?<![\w.<>-])/(?:root|home|work|tmp|Users|mnt|scratch)/[\w.-]")
+OUTSIDE = re.compile(r"shared/data|\.\./shared|parents\[[3-9]\]")
+
+
+def _tracked(*patterns) -> list:
+    out = subprocess.run(["git", "ls-files", *patterns], cwd=REPO, capture_output=True, text=True, check=True)
+    return [REPO / p for p in out.stdout.split()]
+
+
+def _hits(paths, pattern) -> list:
+    bad = []
+    for p in paths:
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:120]}")
+    return bad
+
+
+def test_the_library_has_no_path_outside_the_repository():
+    code = _tracked("specref/*.py", "specref/**/*.py")
+    assert code
+    bad = _hits(code, OUTSIDE) + _hits(code, MACHINE)
+    assert not bad, "paths outside the repository in specref/:\n" + "\n".join(bad)
+
+
+def test_no_committed_result_names_a_machine_path():
+    files = _tracked("*.json", "*.jsonl", "*.md", "*.ipynb")
+    assert any(p.parts[-2] == "benchmarks" or "benchmarks" in p.parts for p in files)
+    bad = _hits(files, MACHINE)
+    assert not bad, f"{len(bad)} absolute machine paths in committed files:\n" + "\n".join(bad[:20])
+
+
+def test_the_patterns_themselves():
+    assert MACHINE.search('"question_file": "/work/shared/data/spec_bench/question.jsonl"')
+    assert MACHINE.search('"model": "/root/.cache/specref/SmolLM2"') and MACHINE.search("--out /tmp/x")
+    assert not MACHINE.search('"model": "SmolLM2-135M-Instruct-3403c89dd44dfe2a"')
+    assert not MACHINE.search("<specref cache>/store and /usr/share/doc/python3.11 and a/tmp/b")
+    assert OUTSIDE.search('Path(__file__).parents[3] / "shared" / "data"') and not OUTSIDE.search("parents[1]")
