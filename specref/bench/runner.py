@@ -63,7 +63,6 @@ from ..workloads import describe, label, portable_name, question_file
 from .methods import ALL_METHODS, build_methods, load_model
 from .report import first_difference
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -296,9 +295,10 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--lookahead", default="7,5,7", help="lookahead's W,N,G (default: Spec-Bench's)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "benchmarks"), help="folder for bench.json and bench.png")
-    ap.add_argument("--markdown", default=str(REPO / "BENCHMARKS.md"),
-                    help="Markdown file whose bench section is replaced ('none': skip)")
+    ap.add_argument("--out", default="specref_bench", help="folder for bench.json and bench.png (default: "
+                    "./specref_bench; the committed results are written by python -m specref.bench.results)")
+    ap.add_argument("--markdown", default="none",
+                    help="a Markdown file whose bench section is replaced (default 'none': skip)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--weights", type=weights_item, action="append", default=[], metavar="KIND=PATH",
                     help="trained weights instead of the committed ones (repeatable), e.g. eagle=/path/eagle.safetensors;"
