@@ -64,7 +64,6 @@ from .methods import ALL_METHODS, build_methods, load_model
 from .report import first_difference
 
 
-
 @dataclass(frozen=True)
 class BenchConfig:
     """Settings of one benchmark run."""
