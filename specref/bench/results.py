@@ -9,7 +9,8 @@ machine, commit and date, how it was measured, the tables, the plots) and the me
 README.md (between METHODS_START and METHODS_END; the rest of the README is left alone). It is a
 timed run: make it on a quiet machine, and again whenever the trained weights change.
 
-`--from-json A.json [B.json ...] [--batch-json X.json]` skips the run and renders committed bench
+`--batch-json X.json` renders a committed batch run (its command and date shown) instead of running
+the batch bench. `--from-json A.json [B.json ...]` skips the run and renders committed bench
 JSON files instead: a method takes its row from the first file that measured it, and every table
 names the file (and the commit that added it) each row comes from.
 """
@@ -212,6 +213,8 @@ def _run(a) -> Tuple[List[Path], Optional[Path]]:
               "--out", str(out)] + (["--threads", str(a.threads)] if a.threads else [])
     bench_main(["--methods", *bench_methods(), "--questions", a.questions] + common)
     batch = None
+    if a.batch_json:  # a committed batch run is rendered instead of a new one (its own command and date shown)
+        return [out / "bench.json"], Path(a.batch_json)
     if a.batch_size and a.batch_size != [1]:
         methods = a.batch_methods or list(METHODS) + ["hf"]
         bench_main(["--methods", *methods, "--batch-size", *map(str, a.batch_size),
@@ -236,7 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-methods", nargs="+", default=None,
                     help="methods of the batch table (default: every registry method and transformers' generate)")
     ap.add_argument("--from-json", nargs="+", default=None, help="render these bench JSON files; no run")
-    ap.add_argument("--batch-json", default=None, help="with --from-json: a batch.json to render")
+    ap.add_argument("--batch-json", default=None, help="render this batch.json (its own run, named with its "
+                    "command and date) instead of running the batch bench")
     a = ap.parse_args(argv)
     commit = _git("rev-parse", "--short", "HEAD")
     if a.from_json:

@@ -92,9 +92,16 @@ def test_the_run_covers_every_registry_method(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "METHODS", dict(METHODS, brand_new="a method added to the registry"))
     readme = tmp_path / "README.md"
     readme.write_text(f"{results.METHODS_START}\n{results.METHODS_END}\n", encoding="utf-8")
-    assert results.main(["--out", str(tmp_path / "B.md"), "--readme", str(readme),
-                         "--bench-dir", str(tmp_path / "plots")]) == 0
+    args = ["--out", str(tmp_path / "B.md"), "--readme", str(readme), "--bench-dir", str(tmp_path / "plots")]
+    monkeypatch.delenv("SPECREF_SPEC_BENCH", raising=False)
+    with pytest.raises(ValueError, match="Spec-Bench"):  # the results are Spec-Bench's: never the default workload
+        results.main(args)
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"]}) + "\n", encoding="utf-8")
+    monkeypatch.setenv("SPECREF_SPEC_BENCH", str(q))
+    assert results.main(args) == 0
     single, batch = calls
+    assert single[single.index("--question-file") + 1] == str(q) == batch[batch.index("--question-file") + 1]
     assert set(results.METHODS) | {"hf", "hf_pld", "hf_assist"} <= set(single)
     assert set(results.METHODS) <= set(batch) and batch[batch.index("--batch-size") + 1:][:3] == ["1", "4", "16"]
     assert "brand_new" in readme.read_text(encoding="utf-8") and "not in this run" not in readme.read_text(encoding="utf-8")
