@@ -149,11 +149,13 @@ def check_proposer(proposer) -> int:
 
 
 def trusted(proposer) -> bool:
-    """True when the proposer's `propose` is specref's own (and so are its parts, for combining
-    proposers that list them in `parts`): its drafts skip the per-step check."""
-    fn = getattr(type(proposer), "propose", None)
-    if not getattr(fn, "__module__", "").startswith("specref."):
-        return False
+    """True when the proposer's class and every class it inherits from are specref's own (and so
+    are its parts, for combining proposers that list them in `parts`): its drafts skip the per-step
+    check. A user's subclass of a library proposer is not trusted, whichever drafting method
+    (`propose`, `_propose`, ...) it overrides: its drafts are checked every step."""
+    for cls in type(proposer).__mro__:
+        if cls is not object and not cls.__module__.startswith("specref.") and cls.__module__ not in ("abc", "typing"):
+            return False
     return all(trusted(p) for p in getattr(proposer, "parts", ()))
 
 

@@ -544,7 +544,7 @@ def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, 
                                      draws=draws)
         return StepResult(res.tokens, res.num_accepted), seen
     res = rejection.verify_tree(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator,
-                                validate=False)
+                                validate=False, siblings=None if q is None else "sampled")  # checks.check_siblings
     return StepResult(res.tokens, res.num_accepted, res.path), seen
 
 

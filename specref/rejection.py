@@ -285,12 +285,18 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     deterministic token is rejected (its mass is already removed). Edge cases and errors as
     verify_chain (validate=False as there). Loops over depth levels and, within a level, over
     sibling rank; vectorised over rows. Returns TreeResult(tokens (B, D+1), path (B, D),
-    num_accepted (B,)), D the deepest node. siblings: "deterministic" refuses a q (top-k siblings
-    must be verified with q=None; the i.i.d. rule is not lossless for them), "sampled" needs one;
-    None: taken from q.
+    num_accepted (B,)), D the deepest node. siblings, how the nodes were drawn: "sampled" (each
+    node an independent draw from its q row; needs q), "deterministic" (top-k, n-gram: q must be
+    None; the rule for sampled siblings is not lossless for them), None: only with q=None. A q
+    without siblings="sampled" is refused: a q does not say how the siblings were drawn (i.i.d.,
+    without replacement, merged into a trie), and the rule here is lossless only for i.i.d. draws.
     """
     if siblings not in (None, "sampled", "deterministic"):
         raise ValueError(f"siblings must be 'sampled', 'deterministic' or None, got {siblings!r}")
+    if siblings is None and q is not None:
+        raise ValueError("siblings: a q without its sibling kind; pass siblings='sampled' when every node was "
+                         "drawn independently from its q row (other ways of drawing siblings, e.g. without "
+                         "replacement or i.i.d. draws merged into a trie, are not verified losslessly by this rule)")
     if siblings == "deterministic" and q is not None:
         raise ValueError("siblings='deterministic' with a q: deterministic (top-k) siblings are verified "
                          "with q=None; the rule for sampled siblings is not lossless for them")

@@ -223,3 +223,28 @@ def test_config_errors(trained):
     with pytest.raises(ValueError, match="before begin"):
         Eagle2Proposer(head).propose(None, SamplingConfig(0.0), None)
     assert Eagle2Proposer(head, Eagle2Config(total_tokens=9)).k == 9
+
+
+def test_verify_tree_refuses_a_q_without_its_sibling_kind():
+    """A q says nothing of how the siblings were drawn (i.i.d., without replacement, merged into a
+    trie): the public verifier is told, never guesses."""
+    tok, par = torch.tensor([[1, 2]]), torch.tensor([[-1, -1]])
+    p, q = torch.full((1, 3, V), 1.0 / V), torch.full((1, 2, V), 1.0 / V)
+    with pytest.raises(ValueError, match="siblings"):
+        verify_tree(tok, par, p, q)
+    assert verify_tree(tok, par, p, None).num_accepted.shape == (1,)  # q None: deterministic siblings
+
+
+def test_a_user_subclass_is_not_trusted(trained):
+    """checks.trusted: a library class is trusted, a user's subclass of one is not, whichever method
+    it overrides, so its drafts get the per-step Draft check."""
+    from specref import checks
+
+    _, head, _ = trained
+    assert checks.trusted(Eagle2Proposer(head))
+
+    class Mine(Eagle2Proposer):
+        def _propose(self, *args, **kwargs):  # a drafting method of the user's (here: the library's drafts)
+            return super()._propose(*args, **kwargs)
+
+    assert not checks.trusted(Mine(head))

@@ -81,7 +81,8 @@ def _simulate(shape: str, P, Q, mode: str, verify, seed: int, n: int = B_BIG):
     p = torch.stack([Pf[0, torch.full((n,), V)]] + [Pf[depth[i], toks[i]] for i in range(N)], 1)  # (n, N+1, V)
     q = torch.stack(qs, 1) if mode == "q" else None  # (n, N, V)
     par_t = torch.tensor(parents).expand(n, N)
-    return verify(tokens, par_t, p, q, generator=torch.Generator().manual_seed(seed + 1)), tokens
+    kind = {"siblings": "sampled"} if q is not None and verify is verify_tree else {}  # i.i.d. draws
+    return verify(tokens, par_t, p, q, generator=torch.Generator().manual_seed(seed + 1), **kind), tokens
 
 
 def _markov_joint(P, L):
@@ -324,7 +325,8 @@ def test_tree_properties(B, N, vocab, with_q, seed, data):
     tokens = torch.where(torch.arange(N)[None, :] < lengths[:, None], tokens, -1)
     p = torch.softmax(torch.randn(B, N + 1, vocab, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(B, N, vocab, generator=g), -1) if with_q else None
-    res = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B))
+    kind = "sampled" if with_q else None
+    res = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B), siblings=kind)
     D = res.path.shape[1]
     assert res.tokens.shape == (B, D + 1)
     for b in range(B):  # per-row checks of a small batch
@@ -338,10 +340,10 @@ def test_tree_properties(B, N, vocab, with_q, seed, data):
         assert res.tokens[b, :m].tolist() == [int(tokens[b, i]) for i in nodes]
         last = int(res.tokens[b, m])
         assert 0 <= last < vocab and float(p[b, 1 + prev, last]) > 0  # from p's support at the node
-        alone = verify_tree(tokens[b:b + 1], parents[b:b + 1], p[b:b + 1], None if q is None else q[b:b + 1],
+        alone = verify_tree(tokens[b:b + 1], parents[b:b + 1], p[b:b + 1], None if q is None else q[b:b + 1], siblings=kind,
                             generator=make_generators(seed + b, 1))
         assert torch.equal(alone.tokens[0, : m + 1], res.tokens[b, : m + 1])  # rows are independent
-    again = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B))
+    again = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B), siblings=kind)
     assert torch.equal(again.tokens, res.tokens)  # deterministic under the seeds
 
 

@@ -3,9 +3,12 @@
 Every convention is turned into one batched call returning (path (B, W) node indices of the accepted
 path, -1 padded, last (B,) the final token); a verifier's malformed output raises `Malformed`
 (the check reports it as a structural failure of the case, never a crash). Conventions:
-- specref: fn(tokens (B, N), parents (B, N), p (B, N+1, V), q (B, N, V) | None, *, lengths, generator)
-  -> TreeResult (or a tuple (tokens (B, D+1), path (B, D), num_accepted (B,))), as
-  specref.rejection.verify_tree; greedy: fn(tokens, parents, logits (B, N+1, V), *, lengths).
+- specref: fn(tokens (B, N), parents (B, N), p (B, N+1, V), q (B, N, V) | None, *, lengths, generator
+  [, siblings]) -> TreeResult (or a tuple (tokens (B, D+1), path (B, D), num_accepted (B,))), as
+  specref.rejection.verify_tree; with a q, `siblings` names how the nodes were drawn ("sampled":
+  i.i.d. from q, also for k i.i.d. sequences given as chains; "without": without replacement); a
+  fn without a `siblings` parameter is called without it. Greedy: fn(tokens, parents, logits
+  (B, N+1, V), *, lengths).
 - plain: one row a call: fn(tokens (N,), parents (N,), p (N+1, V), q (N, V) | None, generator)
   -> (path (m,) node indices, last token); greedy: fn(tokens, parents, logits (N+1, V)).
 - eagle: one row a call, in the layout of EAGLE (SafeAILab/EAGLE, utils.py) and Medusa: the tree is
@@ -22,6 +25,7 @@ path, -1 padded, last (B,) the final token); a verifier's malformed output raise
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import numpy as np
@@ -70,17 +74,24 @@ def _row_out(out, b: int, api: str):
     return tuple(int(_as_int_tensor(v, f"row {b}: {w}", 0)) for v, w in zip(out, ("best_candidate", "accept_length", "next_token")))
 
 
-def adapt_tree(fn: Callable, api: str, greedy: bool = False) -> Callable:
+def adapt_tree(fn: Callable, api: str, greedy: bool = False, draft_law: str = "iid") -> Callable:
     """Wrap fn as call(tokens, parents, lengths, p_or_logits, q, gens) -> (path (B, W), last (B,)).
-    gens: one generator, or a list of one per row (per_row_generators)."""
+    gens: one generator, or a list of one per row (per_row_generators). draft_law: the check's
+    `siblings`, told to a specref-convention fn that takes a `siblings` argument."""
     if api not in TREE_APIS:
         raise ValueError(f"api must be one of {TREE_APIS}, got {api!r}")
+    kind = {"iid": "sampled", "trie": "sampled", "without": "without"}.get(draft_law)
+    try:
+        told = api == "specref" and "siblings" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: called as the convention without it
+        told = False
 
     def call(tokens, parents, lengths, p, q, gens):
         B = tokens.shape[0]
         if api == "specref":
+            extra = {"siblings": kind} if told and q is not None and kind else {}
             out = fn(tokens, parents, p, lengths=lengths) if greedy else \
-                fn(tokens, parents, p, q, lengths=lengths, generator=gens)
+                fn(tokens, parents, p, q, lengths=lengths, generator=gens, **extra)
             return _specref_out(out, tokens, B)
         paths, last = [], []
         for b in range(B):  # one row a call

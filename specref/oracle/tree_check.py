@@ -138,7 +138,7 @@ def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Se
     prefixes) or "topk" (only the deterministic cases; q None). Default cases: standard_tree_cases().
     Verdict PASS / FAIL / INCONCLUSIVE (no failure, but detectable_tv above tv_bound)."""
     check_args(samples, seed, alpha)
-    call = adapt_tree(fn, api)
+    call = adapt_tree(fn, api, draft_law=siblings)
     return run_tree_check(call, cases, siblings, law, samples, alpha, seed, early_stop, max_joint_cells,
                           per_row_generators, tv_bound, device)
 

@@ -199,7 +199,8 @@ def test_bad_output_is_a_failed_check(kind, what):
 
 def test_bad_batched_output_is_a_failed_check():
     def wrong_tokens(tokens, parents, p, q, *, lengths, generator):  # reports a token other than the node's
-        out = specref.verify_tree(tokens, parents, p, q, lengths=lengths, generator=generator)
+        out = specref.verify_tree(tokens, parents, p, q, lengths=lengths, generator=generator,
+                                  siblings=None if q is None else "sampled")
         toks = out.tokens.clone()
         toks[:, 0] = torch.where(out.num_accepted > 0, (toks[:, 0] + 1) % p.shape[-1], toks[:, 0])
         return toks, out.path, out.num_accepted
