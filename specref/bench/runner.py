@@ -176,8 +176,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     questions = load_questions(qfile, cfg.categories, cfg.questions)
     if not questions:
         raise ValueError(f"no questions selected from {workload['name']}")
-    if cfg.progress or cfg.model != "tiny":
-        print(label(workload), file=sys.stderr)
+    print(label(workload), file=sys.stderr)
     model, encode, eos, model_name = load_model(cfg)
     dev = model.device
     if cfg.compile:
