@@ -264,8 +264,12 @@ def pick_cmd(args) -> int:
     cal = calibrate(model, [encode(t) for t in texts], cfg, reg, groups=groups)
     pred = picker.predict(cal)
     method, reason = picker.choose(pred, cfg)
+    used = cal.sample()
+    cats = {g: sum(1 for _, h in used if h == g) for g in dict.fromkeys(g for _, g in used)}
     print(f"calibrated on {cal.prompts_used} of {cal.prompts_given} prompts in {cal.seconds:.1f}s "
-          f"(+{cal.setup_seconds:.1f}s loading weights and measuring costs)\n")
+          f"(+{cal.setup_seconds:.1f}s loading weights and measuring costs); seeded sample (--seed {cfg.seed}), "
+          f"{len(cats)} of {len(set(groups or ['all']))} categories: "
+          + ", ".join(f"{g} {n}" for g, n in cats.items()) + "\n")
     print(picker.prediction_table(pred, method))
     print(f"\npick: {method} - {reason}")
     out = dict(method=method, reason=reason, predicted=pred, groups={})
@@ -276,7 +280,8 @@ def pick_cmd(args) -> int:
             out["groups"][g] = dict(method=gm, reason=why, predicted=gp)
             print(f"  {g}: {gm} ({gp[gm]['speedup']:.2f}x predicted)")
     if args.json:
-        picker.save(dict(out, calibration_s=cal.seconds, setup_s=cal.setup_seconds, records=cal.records), args.json)
+        picker.save(dict(out, calibration_s=cal.seconds, setup_s=cal.setup_seconds, records=cal.records,
+                         sample=[dict(prompt=i, category=g) for i, g in used]), args.json)
         print(f"wrote {args.json}")
     return 0
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -298,6 +299,36 @@ class Calibration:
     setup_seconds: float = 0.0  # loading weights and measuring costs (shared with any later use)
     prompts_used: int = 0
     prompts_given: int = 0
+    order: List[tuple] = field(default_factory=list)  # (index in the given prompts, group) in sample order;
+    # a record's "prompt" is its position here
+
+    def sample(self) -> List[tuple]:
+        """(index in the given prompts, group) of every prompt calibration used, in order."""
+        return list(self.order[: self.prompts_used])
+
+
+def sample_order(prompts: Sequence[Sequence[int]], groups: Sequence[str], seed: int) -> List[int]:
+    """The order calibration takes the prompts in, so that a budget that stops early has still seen
+    the whole workload: seeded (random.Random(seed)), round-robin over the groups (categories; the
+    groups' order shuffled), and within a group alternating between its longer and its shorter half
+    (each half shuffled), so long and short prompts are both represented."""
+    rng = random.Random(seed)
+    by_group: Dict[str, List[int]] = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    queues = []
+    for g in sorted(by_group):
+        idx = sorted(by_group[g], key=lambda i: (len(prompts[i]), i))
+        short, long = idx[: len(idx) // 2], idx[len(idx) // 2:]
+        rng.shuffle(short)
+        rng.shuffle(long)
+        queue = [x for pair in zip(long, short) for x in pair] + long[len(short):]
+        queues.append(queue)
+    rng.shuffle(queues)
+    order = []
+    for r in range(max((len(q) for q in queues), default=0)):
+        order += [q[r] for q in queues if r < len(q)]
+    return order
 
 
 def _batches(prompts: List[List[int]], groups: List[str], B: int):
@@ -336,6 +367,8 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
     """Short runs of every candidate method on the prompts (token-id lists), sharing one prefill per
     prompt; groups: a label per prompt (e.g. its task category) for predict(..., group=)."""
     prompts, groups = _check_prompts(prompts, groups)
+    order = sample_order(prompts, groups, config.seed)  # stratified by group, long and short, seeded
+    prompts, groups = [prompts[i] for i in order], [groups[i] for i in order]
     t_setup = time.perf_counter()
     reg = registry if registry is not None else Registry(model)
     target = reg.target
@@ -352,7 +385,8 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
     v = reg.verify_costs()["ratios"]
     shared = _SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
     cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
-                      setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts))
+                      setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts),
+                      order=[(i, groups[j]) for j, i in enumerate(order)])
     gen = dict(max_new_tokens=config.calib_tokens, temperature=config.temperature, top_k=config.top_k,
                top_p=config.top_p, timing=True)  # eos: the model's generation_config
     t0 = time.perf_counter()

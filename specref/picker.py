@@ -171,7 +171,8 @@ class Recommendation:
         cal = self.calibration
         return dict(method=self.method, reason=self.reason, predicted=self.predicted,
                     config=asdict(cal.config), calibration_s=cal.seconds, setup_s=cal.setup_seconds,
-                    prompts_used=cal.prompts_used, prompts_given=cal.prompts_given, verify_ratios=cal.verify_ratios)
+                    prompts_used=cal.prompts_used, prompts_given=cal.prompts_given, verify_ratios=cal.verify_ratios,
+                    sample=[dict(prompt=i, category=g) for i, g in cal.sample()])
 
 
 def choose(pred: Dict[str, dict], cfg: PickerConfig) -> tuple:

@@ -202,3 +202,21 @@ def test_bad_input(tiny):
         picker.PickerConfig(temperature=-0.1)
     with pytest.raises(ValueError, match="groups"):
         calibrate(model, PROMPTS, picker.PickerConfig(), reg, groups=["a"])
+
+
+def test_calibration_sample_covers_the_workload():
+    """The calibration takes the prompts in a seeded order, round-robin over categories, long and
+    short alternating within each: a budget that stops after a few prompts has still seen every
+    category (file order would have seen only the first)."""
+    from specref.calibrate import sample_order
+
+    groups = [c for c in "abcd" for _ in range(6)]  # 4 categories, 6 prompts each, in file order
+    prompts = [[1] * (1 + (i % 6) * 10) for i in range(24)]  # lengths 1..51 within each category
+    order = sample_order(prompts, groups, seed=0)
+    assert sorted(order) == list(range(24))
+    assert {groups[i] for i in order[:4]} == set("abcd")  # the first 4 cover every category
+    for c in "abcd":
+        first_two = [i for i in order if groups[i] == c][:2]
+        lengths = sorted(len(prompts[i]) for i in first_two)
+        assert lengths[0] <= 21 < lengths[1]  # one from the shorter half, one from the longer
+    assert sample_order(prompts, groups, seed=0) == order and sample_order(prompts, groups, seed=1) != order
