@@ -260,7 +260,8 @@ def pick_cmd(args) -> int:
     reg = Registry(model, kind=kind, weights=dict(args.weights or []))
     cfg = picker.PickerConfig(methods=tuple(args.methods) if args.methods else None, temperature=args.temperature,
                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                              max_prompts=args.max_prompts, budget_s=args.budget_s, seed=args.seed)
+                              max_prompts=args.max_prompts, seed=args.seed,
+                              budget_s="auto" if args.budget_s is None else args.budget_s)
     cal = calibrate(model, [encode(t) for t in texts], cfg, reg, groups=groups)
     pred = picker.predict(cal)
     method, reason = picker.choose(pred, cfg)
@@ -371,7 +372,9 @@ def main(argv=None) -> int:
     pk.add_argument("--batch-size", type=int, default=1)
     pk.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per request of the workload")
     pk.add_argument("--max-prompts", type=int, default=None, help="most prompts calibrated on")
-    pk.add_argument("--budget-s", type=float, default=60.0, help="calibration time bound (s)")
+    pk.add_argument("--budget-s", type=float, default=None, help="calibration time bound (s); default: 5%% of the "
+                    "workload's expected autoregressive decoding time, within 30-600 s, and at least one prompt of "
+                    "every category (calibrate.budget_for)")
     pk.add_argument("--seed", type=int, default=0)
     pk.add_argument("--json", default=None, help="write the predictions and the calibration here")
     sub.add_parser("oracle", help="check a rejection sampler: python -m specref oracle --help")

@@ -35,7 +35,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -59,7 +59,8 @@ class PickerConfig:
     # replayed on runs for as long as this many autoregressive steps take (at most max_new_tokens
     # tokens): a prompt the lead method decodes fast gets a longer answer
     max_prompts: Optional[int] = None  # most prompts sampled (None: as many as budget_s allows)
-    budget_s: Optional[float] = 60.0  # calibration time bound (None: every prompt); at least one
+    budget_s: Union[float, str, None] = "auto"  # calibration time bound in seconds; "auto": follows the
+    # workload (budget_for); None: every prompt; at least one
     min_gain: float = 0.05  # speculate only where the predicted speed-up is at least 1 + min_gain
     seed: int = 0
     progress: bool = True
@@ -71,8 +72,9 @@ class PickerConfig:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.max_prompts is not None and (not isinstance(self.max_prompts, int) or self.max_prompts < 1):
             raise ValueError(f"max_prompts must be None or an int >= 1, got {self.max_prompts!r}")
-        if self.budget_s is not None and not (isinstance(self.budget_s, (int, float)) and self.budget_s > 0):
-            raise ValueError(f"budget_s must be a number > 0 (or None), got {self.budget_s!r}")
+        if self.budget_s not in (None, "auto") and not (isinstance(self.budget_s, (int, float))
+                                                        and not isinstance(self.budget_s, bool) and self.budget_s > 0):
+            raise ValueError(f"budget_s must be a number > 0, 'auto' or None, got {self.budget_s!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (isinstance(self.min_gain, (int, float)) and self.min_gain >= 0):
@@ -299,12 +301,26 @@ class Calibration:
     setup_seconds: float = 0.0  # loading weights and measuring costs (shared with any later use)
     prompts_used: int = 0
     prompts_given: int = 0
+    budget_s: Optional[float] = None  # the bound calibration ran under (budget_for when "auto")
+    min_prompts: int = 1  # prompts run whatever the budget ("auto": one per category)
     order: List[tuple] = field(default_factory=list)  # (index in the given prompts, group) in sample order;
     # a record's "prompt" is its position here
 
     def sample(self) -> List[tuple]:
         """(index in the given prompts, group) of every prompt calibration used, in order."""
         return list(self.order[: self.prompts_used])
+
+
+BUDGET_SHARE, BUDGET_MIN_S, BUDGET_MAX_S = 0.05, 30.0, 600.0
+
+
+def budget_for(n_prompts: int, max_new_tokens: int, t1: float, batch_size: int = 1) -> float:
+    """budget_s="auto": a share of the workload's expected autoregressive decoding time, clamped:
+    BUDGET_SHARE x (n_prompts / batch_size batches x max_new_tokens steps x t1, the measured
+    one-token forward) within [BUDGET_MIN_S, BUDGET_MAX_S]; calibration also runs at least one
+    prompt of every category whatever the budget. A number given by the user is used as it is."""
+    expected = -(-n_prompts // batch_size) * max_new_tokens * t1
+    return min(BUDGET_MAX_S, max(BUDGET_MIN_S, BUDGET_SHARE * expected))
 
 
 def sample_order(prompts: Sequence[Sequence[int]], groups: Sequence[str], seed: int) -> List[int]:
@@ -382,11 +398,15 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
         except (ImportError, ValueError, FileNotFoundError) as e:
             if config.methods is not None:  # asked for by name: say why it cannot run
                 raise ValueError(f"method {m!r} cannot run on this model: {e}") from e
-    v = reg.verify_costs()["ratios"]
+    vc = reg.verify_costs()
+    v = vc["ratios"]
     shared = _SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
     cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
                       setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts),
-                      order=[(i, groups[j]) for j, i in enumerate(order)])
+                      order=[(i, groups[j]) for j, i in enumerate(order)],
+                      budget_s=budget_for(len(prompts), config.max_new_tokens, vc.get("t1", 0.0), config.batch_size)
+                      if config.budget_s == "auto" else config.budget_s,
+                      min_prompts=len(set(groups)) if config.budget_s == "auto" else 1)
     gen = dict(max_new_tokens=config.calib_tokens, temperature=config.temperature, top_k=config.top_k,
                top_p=config.top_p, timing=True)  # eos: the model's generation_config
     t0 = time.perf_counter()
@@ -412,7 +432,8 @@ def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, g
     dev = target.device
     for j, (i, group, rows) in enumerate(batches[:limit]):
         elapsed = time.perf_counter() - t0
-        if j and config.budget_s is not None and elapsed * (j + 1) / j > config.budget_s:
+        if j >= -(-cal.min_prompts // config.batch_size) and cal.budget_s is not None \
+                and elapsed * (j + 1) / j > cal.budget_s:
             break  # the next batch would end past the budget
         if config.progress:
             print(f"\rcalibrating: batch {j + 1}/{limit}, {len(order)} methods, {elapsed:.0f}s",
@@ -538,7 +559,8 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
     points: Dict[int, List[tuple]] = {}
     for j in range(limit):
         elapsed = time.perf_counter() - t0
-        if j and config.budget_s is not None and elapsed * (j + 1) / j > config.budget_s:
+        if j >= -(-cal.min_prompts // config.batch_size) and cal.budget_s is not None \
+                and elapsed * (j + 1) / j > cal.budget_s:
             break
         if config.progress:
             print(f"\rcalibrating: prompt {j + 1}/{limit}, {len(names) + 1} methods, {elapsed:.0f}s",

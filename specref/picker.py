@@ -203,7 +203,7 @@ def _first(a: List[float]) -> str:
 
 
 def recommend(model, prompts: Sequence, *, methods: Optional[Sequence[str]] = None, temperature: float = 0.0,
-              batch_size: int = 1, max_new_tokens: int = 128, budget_s: Optional[float] = 60.0,
+              batch_size: int = 1, max_new_tokens: int = 128, budget_s="auto",
               registry: Optional[Registry] = None, **config) -> Recommendation:
     """Calibrate on the prompts (token-id lists), predict every method, and return the pick with a
     proposer ready for speculative_generate (None: use autoregressive_generate)."""

@@ -220,3 +220,17 @@ def test_calibration_sample_covers_the_workload():
         lengths = sorted(len(prompts[i]) for i in first_two)
         assert lengths[0] <= 21 < lengths[1]  # one from the shorter half, one from the longer
     assert sample_order(prompts, groups, seed=0) == order and sample_order(prompts, groups, seed=1) != order
+
+
+def test_the_budget_follows_the_workload():
+    """budget_s="auto": 5% of the workload's expected autoregressive time, within [30, 600] s."""
+    from specref.calibrate import budget_for
+
+    t1 = 0.05  # seconds per one-token forward
+    assert budget_for(240, 128, t1) == pytest.approx(0.05 * 240 * 128 * t1)  # 76.8 s
+    assert budget_for(480, 128, t1) == pytest.approx(2 * budget_for(240, 128, t1))  # twice the workload
+    assert budget_for(4, 16, t1) == 30.0 and budget_for(100_000, 512, t1) == 600.0  # the clamps
+    assert budget_for(960, 128, t1, batch_size=4) == pytest.approx(budget_for(240, 128, t1))  # batches of 4
+    assert picker.PickerConfig().budget_s == "auto" and picker.PickerConfig(budget_s=12.5).budget_s == 12.5
+    with pytest.raises(ValueError, match="budget_s"):
+        picker.PickerConfig(budget_s="soon")
