@@ -52,6 +52,8 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "medusa_typical": ("Cai et al. 2024 (typical acceptance)", "`MedusaProposer`", "**lossy** at T > 0", "09"),
     "hybrid_medusa": ("prompt lookup + Medusa", "`HybridProposer`", "lossless", "09"),
     "mtp": ("Gloeckle et al. 2024; DeepSeek-V3 (MTP)", "`MTPProposer`", "lossless", "11"),
+    "mlp_speculator": ("Wertheimer et al. 2024 (MLP speculator)", "`MLPSpeculatorProposer`", "lossless", "-"),
+    "hybrid_mlp_speculator": ("prompt lookup + MLP speculator", "`HybridProposer`", "lossless", "-"),
 }
 
 
@@ -74,7 +76,7 @@ def load_runs(paths: List[Path], commit: Optional[str] = None) -> List[dict]:
     for p in paths:
         result = json.loads(Path(p).read_text(encoding="utf-8"))
         commit = commit or result["meta"].get("commit") or _git(
-            "log", "-1", "--follow", "--diff-filter=AM", "--format=%h", "--", str(p))
+            "log", "-1", "--diff-filter=AM", "--format=%h", "--", str(p))
         runs.append(dict(path=Path(p), commit=commit or "uncommitted", result=result))
     return runs
 
@@ -137,7 +139,7 @@ def methods_table(runs: List[dict]) -> str:
 
 
 def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[str], commit: str, date: str,
-                        overall_png: Optional[str] = None) -> str:
+                        overall_png: Optional[str] = None, batch_file: Optional[str] = None) -> str:
     """The whole BENCHMARKS.md."""
     merged, source = merge(runs)
     meta, mach, cfg = merged["meta"], merged["meta"]["machine"], merged["meta"]["config"]
@@ -167,6 +169,9 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
     if png:
         parts += [f"![speed-up and tau per method and category]({png})", ""]
     if batch is not None:
+        if batch_file:
+            parts += [f"The batch table below is an earlier committed run, `{batch_file}`, rendered with `--batch-json`; "
+                      "its command and date are stated with it.", ""]
         parts += ["\n".join(line for line in batch_markdown(batch).splitlines() if not line.startswith("<!--")), ""]
     return "\n".join(parts)
 
@@ -260,7 +265,8 @@ def main(argv=None) -> int:
     plot_overall(merged, png.with_name("overall.png"))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out.write_text(benchmarks_markdown(runs, batch, _rel(png, out.parent), commit, date,
-                                        _rel(png.with_name("overall.png"), out.parent)), encoding="utf-8")
+                                        _rel(png.with_name("overall.png"), out.parent),
+                                        batch_file=a.batch_json and _rel(Path(a.batch_json), REPO)), encoding="utf-8")
     if a.readme != "none":
         splice_readme(Path(a.readme), methods_table(runs))
     print(f"wrote {out}, {png}" + ("" if a.readme == "none" else f", the methods table of {a.readme}"))

@@ -338,6 +338,8 @@ def bench_main(argv=None) -> int:
                       pick=a.pick, pick_tokens=a.pick_tokens, weights=tuple(a.weights))
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
+    path_flags = {"--question-file", "--out", "--markdown"}  # recorded by name: no path of this machine
+    args = [portable_name(x) if i and args[i - 1] in path_flags else x for i, x in enumerate(args)]
     command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)
     sizes = a.batch_size
     if any(b < 1 for b in sizes) or sorted(set(sizes)) != list(sizes):
