@@ -137,6 +137,26 @@ def test_a_subclass_overriding_a_drafting_method_is_not_trusted(base):
     assert not checks.trusted(patched)
 
 
+def test_every_library_proposer_is_trusted():
+    from specref.draft_model import DraftModelProposer
+    from specref.generate import NullProposer
+    from specref.hybrid import HybridProposer
+    from specref.lookahead import LookaheadProposer
+    from specref.medusa_heads import MedusaProposer
+    from specref.ngram import NgramProposer
+
+    for cls in (DraftModelProposer, EagleProposer, Eagle2Proposer, HybridProposer, LookaheadProposer, MedusaProposer,
+                MTPProposer, NgramProposer, NullProposer):
+        assert checks.trusted(cls.__new__(cls)), cls.__name__
+
+    class Users:  # a user's own proposer: never trusted
+        k = 1
+
+        def propose(self, *a):
+            return None
+    assert not checks.trusted(Users())
+
+
 def test_an_overridden_propose_hook_gets_the_per_step_draft_check():
     target = tiny_model("llama", vocab_size=16, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
 
