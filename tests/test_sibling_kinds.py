@@ -138,23 +138,37 @@ def test_a_subclass_overriding_a_drafting_method_is_not_trusted(base):
 
 
 def test_every_library_proposer_is_trusted():
-    from specref.draft_model import DraftModelProposer
+    from specref.draft_model import DraftModelProposer, truncated_draft
     from specref.generate import NullProposer
     from specref.hybrid import HybridProposer
     from specref.lookahead import LookaheadProposer
-    from specref.medusa_heads import MedusaProposer
+    from specref.medusa_heads import MedusaHeads, MedusaProposer
+    from specref.mtp import MTPStack
     from specref.ngram import NgramProposer
 
     for cls in (DraftModelProposer, EagleProposer, Eagle2Proposer, HybridProposer, LookaheadProposer, MedusaProposer,
                 MTPProposer, NgramProposer, NullProposer):
         assert checks.trusted(cls.__new__(cls)), cls.__name__
 
-    class Users:  # a user's own proposer: never trusted
+    target = tiny_model("llama", vocab_size=16, seed=11, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
+    built = [NgramProposer(), LookaheadProposer(), EagleProposer(_head(target)), Eagle2Proposer(_head(target)),
+             DraftModelProposer(truncated_draft(target, 1)), MedusaProposer(MedusaHeads(target)),
+             MTPProposer(MTPStack(target)), HybridProposer(NgramProposer(), EagleProposer(_head(target)))]
+    for prop in built:  # built as a user builds them: what they hold keeps them the library's
+        assert checks.trusted(prop), type(prop).__name__
+
+    class Users:  # a user's own proposer: never trusted, nor a library proposer holding it as a part
         k = 1
+
+        def begin(self, *a):
+            pass
 
         def propose(self, *a):
             return None
-    assert not checks.trusted(Users())
+
+        def update(self, *a):
+            pass
+    assert not checks.trusted(Users()) and not checks.trusted(HybridProposer(NgramProposer(), Users()))
 
 
 def test_an_overridden_propose_hook_gets_the_per_step_draft_check():
