@@ -313,6 +313,8 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     B, N = tokens.shape
     kinds = sibling_kinds(siblings, q is not None, B, N, p.device, valid, validate)  # a name, or (B, N)
     mixed = isinstance(kinds, torch.Tensor)
+    if not mixed and kinds == "deterministic":
+        q = None  # (validate=False only: checked callers never pair it with a q)
     par, depth, D = _tree_structure(parents, valid, validate)
     rows_p = torch.arange(N + 1, device=tokens.device)[None, :] <= lengths[:, None]  # (B, N+1)
     p = _check_probs(p, "p", (B, N + 1, V), rows_p, validate)
