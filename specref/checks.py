@@ -3,8 +3,9 @@
 specref's loop trusts its own parts (the built-in proposers, its internal calls to rejection.py);
 what comes from a user is checked before any allocation or forward: the prompts, the sampling
 settings, eos ids, seeds and generators, max_new_tokens and max_len, the proposer object, and,
-every step, the Draft of a proposer whose `propose` is not specref's own (shapes, dtypes, ids in
-the vocabulary, lengths, q, parents). NaN or infinite distributions are reported with the model,
+every step, the Draft of a proposer that is not entirely specref's own (a user's class, or a
+library class whose methods a user overrode or replaced: `trusted`), its shapes, dtypes, ids in
+the vocabulary, lengths, q, parents and sibling kinds. NaN or infinite distributions are reported with the model,
 the row and the step at any temperature. ArgumentTypeError (a TypeError that is also a
 ValueError) for a wrong type, ValueError for a wrong value; each message names the argument, the value and what is allowed. Accepted as a user would pass
 them: Python ints, numpy integers and 0-d integer tensors for ints; lists, tuples, numpy arrays
@@ -12,14 +13,16 @@ and 1-d tensors where a sequence is meant.
 """
 from __future__ import annotations
 
+import functools
 import numbers
+import types
 from typing import List, Optional
 
 import numpy as np
 import torch
 
 from .proposer import AuxBlock, Draft
-from .tree import check_parents
+from .tree import DETERMINISTIC, check_parents, sibling_kinds
 
 PROB_SUM_TOL = 1e-3  # |sum(q) - 1| allowed for a user's draft distribution
 
@@ -148,38 +151,55 @@ def check_proposer(proposer) -> int:
     return as_int(proposer.k, f"{type(proposer).__name__}.k", low=0)
 
 
+def _own(fn) -> bool:
+    """fn (a function, or a method / static / class method / property wrapping one) is defined in a
+    specref module."""
+    for attr in ("__func__", "fget"):
+        fn = getattr(fn, attr, fn)
+    return getattr(fn, "__module__", "").startswith("specref.")
+
+
 def trusted(proposer) -> bool:
-    """True when the proposer's class and every class it inherits from are specref's own (and so
-    are its parts, for combining proposers that list them in `parts`): its drafts skip the per-step
-    check. A user's subclass of a library proposer is not trusted, whichever drafting method
-    (`propose`, `_propose`, ...) it overrides: its drafts are checked every step."""
-    for cls in type(proposer).__mro__:
-        if cls is not object and not cls.__module__.startswith("specref.") and cls.__module__ not in ("abc", "typing"):
-            return False
+    """True when every method the proposer runs is specref's own, so its drafts skip the per-step
+    check: each method its class resolves (propose, _propose, _catch_up, the drafting hooks, and every
+    other: the library cannot tell which ones a draft depends on) is defined in a specref module, no
+    function is set on the instance, and so for its parts (combining proposers list them in `parts`).
+    A user's subclass that changes nothing keeps the library's drafts (trusted); one that overrides a
+    method, or an instance whose method was replaced, is checked every step (check_draft)."""
+    cls = type(proposer)
+    if not _own(cls) and not any(_own(k) for k in cls.__mro__):
+        return False  # a user's class: no library drafting at all
+    seen = set()
+    for klass in cls.__mro__[:-1]:  # every class but `object`
+        for name, attr in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            if (callable(attr) or isinstance(attr, (staticmethod, classmethod, property))) and not _own(attr):
+                return False  # resolved to a method defined outside specref
+    inst = getattr(proposer, "__dict__", {})
+    if any(isinstance(v, (types.FunctionType, types.MethodType, functools.partial)) and not _own(v)
+           for v in inst.values()):
+        return False  # a function set on the instance (a drafting method replaced)
     return all(trusted(p) for p in getattr(proposer, "parts", ()))
 
 
-SIBLINGS = ("sampled", "deterministic")
-
-
 def check_siblings(draft, who: str) -> None:
-    """The pairing of a tree draft's sibling kind with its q (host-side, no device read; run for
-    every draft, the library's own included): q given needs siblings="sampled", "deterministic"
-    needs q None. Chains (no parents) have no siblings."""
-    s = getattr(draft, "siblings", None)
-    if s is not None and s not in SIBLINGS:
-        raise ValueError(f"{who}: Draft.siblings must be one of {SIBLINGS} or None, got {s!r}")
-    if draft.parents is None or draft.q is None:
-        if s == "sampled" and draft.parents is not None:
-            raise ValueError(f"{who}: Draft.siblings='sampled' but q is None: sampled siblings need the q "
-                             "they were drawn from (q=None means deterministic siblings)")
+    """The sibling kinds of a tree draft (tree.sibling_kinds) paired with its q, run for every tree
+    draft, the library's own included (host-side for a kind name, the library's only form): q given
+    needs a kind ("sampled", "without", or one per node), "deterministic" needs q None, no kind is
+    ever guessed from q. Chains (no parents) have no siblings."""
+    if draft.parents is None:
         return
-    if s != "sampled":
-        raise ValueError(
-            f"{who}: a tree draft with q must declare siblings='sampled' (each node an independent draw "
-            f"from its q row), got siblings={s!r}. Deterministic siblings (the top-k of a head, EAGLE-2, "
-            "Medusa) are verified with q=None: the recursive rule for sampled siblings is not lossless "
-            "for them")
+    s, tok = getattr(draft, "siblings", None), draft.tokens
+    B, N = tok.shape
+    valid = None
+    if not (s is None or isinstance(s, str)):
+        valid = torch.arange(N, device=tok.device).view(1, N) < draft.lengths.to(tok.device).view(B, 1)  # (B, N)
+    try:
+        sibling_kinds(s, draft.q is not None, B, N, tok.device, valid, name="Draft.siblings")
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
 
 
 def check_draft(draft, who: str, batch: int, vocab: int, k: int) -> None:
@@ -213,9 +233,32 @@ def check_draft(draft, who: str, batch: int, vocab: int, k: int) -> None:
         except ValueError as e:
             raise ValueError(f"{who}: Draft.{e}") from None
     if draft.q is not None:
-        _check_q(draft.q, who, batch, int(n.max()) if batch else 0, vocab, valid)
+        used = valid  # (B, N) the q rows that are read: a tree's deterministic nodes have none
+        if draft.parents is not None:
+            check_siblings(draft, who)
+            used = _drawn(draft, who, valid)
+        _check_q(draft.q, who, batch, int(n.max()) if batch else 0, vocab, used)
     if draft.aux is not None:
         _check_aux(draft.aux, who, batch, N, vocab)
+
+
+def _drawn(draft, who: str, valid: torch.Tensor) -> torch.Tensor:
+    """The nodes (B, N) of a tree draft with q whose q rows are read: per-node kinds, the non-
+    deterministic ones; one kind, every node, and then a q row of zeros (a node with no draft
+    distribution: a deterministic node in a mixed tree) is an error naming Draft.siblings."""
+    B, N = valid.shape
+    kinds = sibling_kinds(draft.siblings, True, B, N, valid.device, valid, name="Draft.siblings")
+    if isinstance(kinds, torch.Tensor):
+        return valid & (kinds != DETERMINISTIC)  # (B, N)
+    q = draft.q
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] == B and q.shape[1] >= N:
+        empty = valid & (q[:, :N].float().sum(-1).to(valid.device) == 0)  # (B, N)
+        if bool(empty.any()):
+            b, i = (int(v) for v in empty.nonzero()[0])
+            raise ValueError(f"{who}: Draft.q[{b}, {i}] is all zero under Draft.siblings={kinds!r}: node {i} has no "
+                             "draft distribution. A tree mixing deterministic (top-k) nodes with sampled ones gives "
+                             "one kind per node: Draft.siblings=[...] with 'deterministic' for them")
+    return valid
 
 
 def _check_q(q, who: str, batch: int, K: int, vocab: int, valid: torch.Tensor) -> None:

@@ -307,7 +307,7 @@ def speculative_generate(
                 block.logits = processors.apply_to_block(procs, block.logits, ctx.tokens, ctx.lengths, run.n_new,
                                                          block.tokens, block.parents, block.lengths)
             # 3. accept: rejection.py, then each row's cut at its token budget and first eos
-            step, bad_at = _accept(block, draft.q, sampling, generator, run.rule, k + 1)
+            step, bad_at = _accept(block, draft.q, sampling, generator, run.rule, k + 1, _kinds(draft))
             if procs is not None or sampling.greedy:
                 bad_at["logits"] = raw  # NaN has no argmax; processors' -inf is allowed, NaN is not
             bad = torch.stack([_bad(t, name) for name, t in bad_at.items() if t is not None]).any()
@@ -515,8 +515,17 @@ def _verify_tree(tgt, cache, draft, pending, budget, active, k, hidden_layers, p
     return _Block(tok, lengths, deepest, par, logits, out.hidden)
 
 
+def _kinds(draft: Draft):
+    """The sibling kinds the tree verifier gets: the Draft's own (checks.check_siblings paired them
+    with its q), never guessed. A chain verified as a tree (a chain draft with aux tokens) has one
+    child per node, where every kind's rule is the same: "sampled" with a q."""
+    if draft.parents is not None:
+        return draft.siblings
+    return None if draft.q is None else "sampled"
+
+
 def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, generator,
-            rule: Optional[TypicalAcceptance] = None, draws: Optional[int] = None):
+            rule: Optional[TypicalAcceptance] = None, draws: Optional[int] = None, siblings=None):
     """The rejection step (rejection.py): greedy exact match, or speculative sampling against p
     (or, when the proposer sets `acceptance_rule`, Medusa's typical acceptance: typical.py, lossy).
     rejection.py runs unchecked (validate=False): the drafts are the library's own or passed
@@ -543,8 +552,12 @@ def _accept(block: _Block, q: Optional[torch.Tensor], sampling: SamplingConfig, 
         res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False,
                                      draws=draws)
         return StepResult(res.tokens, res.num_accepted), seen
+    if isinstance(siblings, (list, tuple)):
+        siblings = siblings[:N]
+    elif isinstance(siblings, torch.Tensor):
+        siblings = siblings[..., :N].to(p.device)  # (B, N) or (N,)
     res = rejection.verify_tree(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator,
-                                validate=False, siblings=None if q is None else "sampled")  # checks.check_siblings
+                                validate=False, siblings=siblings)
     return StepResult(res.tokens, res.num_accepted, res.path), seen
 
 

@@ -15,8 +15,13 @@ chains are verified together as two branches of one token tree (SpecInfer's tree
 the n-gram chain first, then the learned chain as the root's second child; the target keeps the
 longer accepted branch (greedy) or walks the tree by recursive rejection (sampling: the n-gram
 child, q one-hot, is tried first; the learned child, sampled from its own q independently of it, is
-tried on the residual). Costs a wider verify block and a learned draft every step; wins the steps
-where prompt lookup has a match but is wrong and the learned draft is right.
+tried on the residual). The two siblings come from different q's: the draft says
+siblings="sampled", SpecInfer's rule for independent draws, each tested against its own q row, which
+is lossless for draws from different distributions and, for the n-gram node's one-hot q, is exactly
+the deterministic rule (docs/sibling_kinds.md; tests/test_sibling_kinds.py checks such mixed
+siblings with the oracle's lossless mode, tests/test_hybrid.py the whole loop). A greedy-drafting
+learned part (q None) makes both deterministic. Costs a wider verify block and a learned draft every
+step; wins the steps where prompt lookup has a match but is wrong and the learned draft is right.
 
 Both sources are deterministic functions of the history given their own state, so the choice of
 source is too, and it never looks at the target's distribution of the tokens being drafted: the
@@ -163,7 +168,7 @@ class HybridProposer:
         # the n-gram child (q one-hot) and the learned child (drawn from its own q) are independent
         # draws, each from its own q row: sampled siblings
         return Draft(tokens=tokens, lengths=a + l_len, q=q, parents=parents,
-                     siblings=None if q is None else "sampled")
+                     siblings="deterministic" if q is None else "sampled")
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         self.ngram.update(ctx, num_accepted)

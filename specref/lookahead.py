@@ -12,7 +12,9 @@ Decoding" (ICML 2024, Sec. 3). No draft model: every target forward does three t
   keeps at most G n-grams per first token, the most recently seen (as the official code's LRU).
 - Verification branch (Sec. 3.2): the (up to G) pool n-grams whose first token equals the root;
   their N-1 continuation tokens are the draft, merged into a token tree (common prefixes become
-  one path; the trees of tree.tree_from_sequences, built vectorised), q = None (deterministic).
+  one path; the trees of tree.tree_from_sequences, built vectorised), q = None
+  (Draft.siblings="deterministic": the pool's n-grams are a function of the history, so merging
+  them changes nothing the deterministic rule relies on).
   Greedy verification takes the longest path of target argmaxes (exact); sampling uses recursive
   rejection over the distinct children at each depth (rejection.verify_tree; the paper's sampling
   verification, after SpecInfer), lossless for any deterministic candidates.

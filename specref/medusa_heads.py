@@ -21,7 +21,8 @@ The tree is Medusa's `medusa_choices` (medusa_tree.py: a default sized for this 
 built from measured head accuracies that the trained file stores). Acceptance (MedusaConfig):
 - temperature 0: the longest path whose every token is the target's argmax (exact);
 - "lossless": recursive rejection sampling over the deterministic siblings (rejection.py,
-  q one-hot per node): distributed exactly as p;
+  q one-hot per node, Draft.siblings="deterministic": the heads' top-s tokens are a function of the
+  history): distributed exactly as p;
 - "typical": Medusa's typical acceptance (typical.py, Sec. 2.3.1), LOSSY.
 Training (Medusa-1, frozen target): training/medusa.py. Left out: Medusa-2 (joint training with
 the target), self-distillation on the target's own answers (the data is training's business).

@@ -17,6 +17,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from .sampling import Generators, SamplingConfig
+from .tree import Siblings
 
 
 @dataclass
@@ -50,12 +51,23 @@ class Draft:
     tokens (B, N), lengths (B,) the number of real nodes per row (the rest -1).
     q: (B, K, V) probabilities the tokens were sampled from, or None for a deterministic draft
     (q is one-hot on the drafted token).
-    siblings (trees only): how the children of a node were drawn. "sampled": each node is an
-    independent draw from its own q row (SpecInfer's i.i.d. siblings, hybrid.py's two sources);
-    "deterministic": the nodes are a function of the history (top-k of a head, EAGLE-2, Medusa),
-    and q must be None. A tree draft that passes q must say "sampled": top-k siblings verified
-    against the q they were ranked by would be silently lossy (rejection.py's rule for i.i.d.
-    siblings does not hold for them), so the loop refuses that pairing.
+    siblings (trees only): how the children of a node were drawn, which decides the rule that
+    verifies them (tree.SIBLING_KINDS, rejection.py, docs/sibling_kinds.md); given, never guessed:
+    - "deterministic" (or None), q None: the nodes are a function of the history (top-k of a head,
+      EAGLE-2, Medusa, n-gram and lookahead candidates); the rule removes a rejected token from p;
+    - "sampled": each node an independent draw from its own q row (SpecInfer's i.i.d. siblings, or
+      siblings from different q's, hybrid.py's two branches: an n-gram node's q is one-hot);
+    - "without": the siblings of a node drawn without replacement from their parent's q
+      (Gumbel-top-k, k distinct samples, tree.tree_from_sequences merging sampled sequences);
+      Sequoia's rule, q[b, i] the parent's q (before removing the earlier siblings' tokens) or the
+      q node i was drawn from;
+    - one kind per node, for trees that mix them (top-k levels over sampled levels, a top-k sibling
+      beside samples): a list of K names, or an integer tensor (K,) or (B, K) of indices into
+      tree.SIBLING_KINDS; q rows of deterministic nodes are then not read.
+    A tree draft with q must name its kind, and a single "deterministic" refuses a q: top-k siblings
+    verified against the q they were ranked by, or without-replacement siblings verified as i.i.d.,
+    are silently lossy (exact numbers in docs/sibling_kinds.md), so the loop refuses the pairings it
+    can see (checks.check_siblings) and the label is the proposer's to get right.
     """
 
     tokens: torch.Tensor  # (B, K) long, -1 padded
@@ -63,7 +75,7 @@ class Draft:
     q: Optional[torch.Tensor] = None  # (B, K, V) float or None
     parents: Optional[torch.Tensor] = None  # (B, N) long for a tree draft, None for a chain
     aux: Optional["AuxBlock"] = None  # extra tokens scored in the same forward (lookahead), or None
-    siblings: Optional[str] = None  # trees: "sampled" (q given) or "deterministic" (q None); see above
+    siblings: Siblings = None  # trees: a kind of tree.SIBLING_KINDS or one per node; see above
 
     @property
     def is_tree(self) -> bool:
@@ -108,6 +120,16 @@ class Proposer(Protocol):
     - q: the distribution each drafted token was actually sampled from, or None for a
       deterministic draft (q one-hot on the drafted token). One generator per row means row b's
       draws come from generator b alone (sampling.ragged_uniforms / sample_rows).
+    - Tree drafts name their sibling kind (Draft.siblings), which must match how the nodes were
+      drawn. The library's: EAGLE-2 (eagle_tree.py), Medusa (medusa_heads.py) and lookahead
+      (lookahead.py) emit "deterministic" (top-k / candidate n-grams, q None: the token set is a
+      function of the history, so each node is accepted with probability p(x) among distinct
+      siblings); HybridConfig(mode="tree") emits "sampled" (the n-gram node, q one-hot, and the
+      learned node, drawn from its own q independently of it: SpecInfer's rule for independent
+      draws from different q's, which for a one-hot q is the deterministic rule); the chain
+      proposers (draft model, n-gram, EAGLE-1, MTP) have no siblings.
+    - A proposer the library trusts (checks.trusted: every method its class runs is specref's own)
+      skips the per-step Draft check; a user's class, or a subclass overriding any method, is checked.
     - Optional `vocab_size` (int): must equal the target's; checked once.
     - Optional `hidden_layers` (a tuple of layer indices, e.g. (-1,) for the final normed state):
       generate.py then passes the target's states of those layers of the tokens the last forward

@@ -13,11 +13,23 @@ Tree (SpecInfer, Miao et al. 2024, "multi-step speculative sampling"; SpecTr, Su
 walk down from the root; at each node try its children in index order with recursive rejection:
 child x with draft distribution q is accepted with probability min(1, r(x) / q(x)), r the current
 residual (p at the node before any rejection); a rejected child updates r <- norm(max(0, r - q))
-(for q one-hot: r with x removed, renormalised) and the next child is tried. If a child is
-accepted the walk continues below it with r = p at that child; if none is (or the node is a
-leaf), one token is drawn from r. Lossless when the siblings were drawn independently, each from
-its own q (SpecInfer's argument; shown here by the chi-square tests), or are fixed tokens (q
-one-hot: child x is then accepted with probability exactly p(x) among distinct siblings).
+and the next child is tried. If a child is accepted the walk continues below it with r = p at that
+child; if none is (or the node is a leaf), one token is drawn from r. Which q a child is tested
+against depends on how the siblings were drawn, the node's kind (SIBLING_KINDS; Draft.siblings,
+docs/sibling_kinds.md), never guessed:
+- "deterministic" (top-k of a head, n-gram, EAGLE-2, Medusa; q = None): q one-hot on the token, so
+  x is accepted with probability r(x) and a rejection removes x from r, renormalised;
+- "sampled": each node an independent draw from its own q row (SpecInfer's i.i.d. siblings, or
+  siblings from different draft distributions, as hybrid.py's two branches);
+- "without" (Sequoia, Chen et al. 2024, "Sequoia: Scalable, Robust, and Hardware-aware
+  Speculative Decoding"): the siblings of a node drawn without replacement from their parent's q
+  (Gumbel-top-k, k distinct samples, a trie of merged i.i.d. sequences): child j is tested against
+  q_j = q with the tokens of the earlier rejected "without" siblings removed, renormalised, and the
+  residual update uses that q_j. A node's q row may be the parent's q before any removal or the q_j
+  it was drawn from: removing already-removed tokens changes nothing, so both give this rule.
+Per-node kinds mix them in one tree (top-k levels over sampled levels, a top-k sibling beside
+sampled ones): each child is tested as its own kind. Each rule is lossless for its draws (SpecInfer's
+and Sequoia's arguments; the oracle's lossless check in the tests) and lossy for the others'.
 
 Greedy: accept while the draft equals the target's argmax, then emit the target's argmax (for a
 tree: the longest path whose every token is the argmax at its parent).
@@ -32,8 +44,8 @@ as a tree (parents [-1, 0, 1, ...]) give identical results from identical genera
 `verify_chain(..., draws=k + 1)` (generate.py's loop) has every row consume exactly k + 1 instead,
 a constant of the proposer: rows stay independent and no length is read back to the host.
 
-Medusa's typical acceptance (lossy) lives in typical.py. Left out: SpecTr's optimal-transport
-verification and Sequoia's sampling without replacement.
+Left out: typical acceptance (lossy, Medusa's: typical.py), SpecTr's optimal-transport
+verification.
 """
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ from typing import Optional
 import torch
 
 from .sampling import Generators, greedy_tokens, ragged_uniforms, sample_from_probs
-from .tree import check_parents
+from .tree import DETERMINISTIC, SIBLING_KINDS, WITHOUT, Siblings, check_parents, sibling_kinds  # noqa: F401
 
 PROB_SUM_TOL = 1e-3  # |sum(p) - 1| allowed per distribution (float32 softmax: ~1e-6)
 
@@ -274,34 +286,24 @@ def _tree_output(path: torch.Tensor, tokens: torch.Tensor, n_acc: torch.Tensor, 
 def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
                 q: Optional[torch.Tensor] = None, *, lengths: Optional[torch.Tensor] = None,
                 generator: Generators = None, validate: bool = True,
-                siblings: Optional[str] = None) -> TreeResult:
+                siblings: Siblings = None) -> TreeResult:
     """Recursive rejection sampling down a batch of token trees (see the module docstring).
 
     tokens (B, N) long, -1 padded; parents (B, N) long, -1 = child of the root, else an earlier
     node; lengths (B,) real nodes per row (default: count before the first -1); p (B, N+1, V): row
     0 the target after the root (the last committed token), row 1+i after node i; q None
     (deterministic drafts) or (B, N, V): q[b, i] the distribution node i was drawn from (at its
-    parent; siblings drawn i.i.d. share it). Duplicate sibling tokens are allowed: a repeated
-    deterministic token is rejected (its mass is already removed). Edge cases and errors as
-    verify_chain (validate=False as there). Loops over depth levels and, within a level, over
-    sibling rank; vectorised over rows. Returns TreeResult(tokens (B, D+1), path (B, D),
-    num_accepted (B,)), D the deepest node. siblings, how the nodes were drawn: "sampled" (each
-    node an independent draw from its q row; needs q), "deterministic" (top-k, n-gram: q must be
-    None; the rule for sampled siblings is not lossless for them), None: only with q=None. A q
-    without siblings="sampled" is refused: a q does not say how the siblings were drawn (i.i.d.,
-    without replacement, merged into a trie), and the rule here is lossless only for i.i.d. draws.
+    parent; siblings drawn from one q share it). siblings, the kind of every node (module docstring,
+    SIBLING_KINDS; required with a q, never guessed from it): "sampled", "without", "deterministic"
+    (q None), or one kind per node, a list of N names or an integer tensor (N,) / (B, N) of indices
+    into SIBLING_KINDS; the q rows of deterministic nodes are then not read. Duplicate sibling tokens
+    are allowed: a repeated deterministic token is rejected (its mass is already removed), a repeated
+    "without" token has q_j = 0 there and is rejected. Edge cases and errors as verify_chain
+    (validate=False as there); a q without siblings, and a single kind for a tree with a q row of
+    zeros (a deterministic node without a q: give per-node kinds), are ValueErrors naming siblings.
+    Loops over depth levels and, within a level, over sibling rank; vectorised over rows. Returns
+    TreeResult(tokens (B, D+1), path (B, D), num_accepted (B,)), D the deepest node.
     """
-    if siblings not in (None, "sampled", "deterministic"):
-        raise ValueError(f"siblings must be 'sampled', 'deterministic' or None, got {siblings!r}")
-    if siblings is None and q is not None:
-        raise ValueError("siblings: a q without its sibling kind; pass siblings='sampled' when every node was "
-                         "drawn independently from its q row (other ways of drawing siblings, e.g. without "
-                         "replacement or i.i.d. draws merged into a trie, are not verified losslessly by this rule)")
-    if siblings == "deterministic" and q is not None:
-        raise ValueError("siblings='deterministic' with a q: deterministic (top-k) siblings are verified "
-                         "with q=None; the rule for sampled siblings is not lossless for them")
-    if siblings == "sampled" and q is None:
-        raise ValueError("siblings='sampled' needs the q the nodes were drawn from")
     if not isinstance(p, torch.Tensor) or p.dim() != 3:
         raise ValueError(f"p must be a (B, N+1, V) tensor, got shape {tuple(getattr(p, 'shape', ()))}")
     V = p.shape[-1]
@@ -309,15 +311,28 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
         tokens, parents = tokens.to(p.device), parents.to(p.device)
     lengths, valid = _draft_lengths(tokens, lengths, V, "tokens", validate)
     B, N = tokens.shape
+    kinds = sibling_kinds(siblings, q is not None, B, N, p.device, valid, validate)  # a name, or (B, N)
+    mixed = isinstance(kinds, torch.Tensor)
+    if not mixed and kinds == "deterministic":
+        q = None  # (validate=False only: checked callers never pair it with a q)
     par, depth, D = _tree_structure(parents, valid, validate)
     rows_p = torch.arange(N + 1, device=tokens.device)[None, :] <= lengths[:, None]  # (B, N+1)
     p = _check_probs(p, "p", (B, N + 1, V), rows_p, validate)
     if q is not None:
-        q = _check_probs(q, "q", (B, N, V), valid, validate)
+        drawn = valid & (kinds != DETERMINISTIC) if mixed else valid  # (B, N) the q rows that are read
+        if validate and not mixed and isinstance(q, torch.Tensor) and tuple(q.shape) == (B, N, V):
+            empty = drawn & (q.sum(-1) == 0)  # (B, N)
+            if bool(empty.any()):
+                b, i = (int(t) for t in empty.nonzero()[0])
+                raise ValueError(f"q[{b}, {i}] is all zero under siblings={kinds!r}: node {i} has no draft "
+                                 "distribution. A tree mixing deterministic (top-k) nodes with sampled ones gives "
+                                 "one kind per node: siblings=[...] with 'deterministic' for them")
+        q = _check_probs(q, "q", (B, N, V), drawn, validate)
     dev = p.device
     u = ragged_uniforms(lengths + 1, N + 1, generator, dev)  # (B, N+1), row b uses lengths[b] + 1
     rows = torch.arange(B, device=dev)  # (B,)
     tok = tokens.clamp(min=0)  # (B, N)
+    track = mixed or kinds == "without"  # q_j loses the tokens of rejected "without" siblings
 
     cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # (B,) current node, -1 = root
     r = p[:, 0]  # (B, V) residual at the current node, unnormalised ...
@@ -328,6 +343,7 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
         child = valid & (par == cur[:, None]) & alive[:, None]  # (B, N) children of the current node
         rank = child.long().cumsum(1) - 1  # (B, N) sibling rank in index order
         taken = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a child accepted at this level
+        removed = torch.zeros(B, V, dtype=torch.bool, device=dev) if track else None  # (B, V) "without"
         for s in range(int(child.sum(1).max()) if B else 0):  # 2. siblings in index order
             sel = child & (rank == s)  # (B, N) at most one node per row
             has = sel.any(1) & ~taken  # (B,)
@@ -337,11 +353,24 @@ def verify_tree(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
             if q is None:  # accept with r(x)/mass; on rejection remove x
                 accept = has & (uj * mass < rx)  # (B,)
                 nxt = r.scatter(1, x[:, None], 0.0)  # (B, V)
-            else:  # accept with min(1, (r(x)/mass) / q(x)); on rejection max(0, r/mass - q)
+            else:  # accept with min(1, (r(x)/mass) / q_j(x)); on rejection max(0, r/mass - q_j)
                 qj = q[rows, j]  # (B, V)
+                kind = kinds[rows, j] if mixed else None  # (B,)
+                if track:  # q_j = q without the earlier rejected "without" siblings' tokens, renormalised
+                    wo = has if kind is None else has & (kind == WITHOUT)  # (B,)
+                    qw = qj.masked_fill(removed, 0.0)  # (B, V)
+                    qw = qw / qw.sum(1, keepdim=True).clamp(min=torch.finfo(qw.dtype).tiny)
+                    qj = torch.where(wo[:, None], qw, qj)  # (B, V)
                 qx = qj[rows, x]  # (B,)
                 accept = has & (qx > 0) & (uj * qx * mass < rx)  # (B,)
-                nxt = (r - mass[:, None] * qj).clamp(min=0)  # (B, V) = mass * max(0, r/mass - q)
+                nxt = (r - mass[:, None] * qj).clamp(min=0)  # (B, V) = mass * max(0, r/mass - q_j)
+                if kind is not None:  # deterministic nodes: q one-hot on x
+                    det = kind == DETERMINISTIC  # (B,)
+                    accept = torch.where(det, has & (uj * mass < rx), accept)  # (B,)
+                    nxt = torch.where(det[:, None], r.scatter(1, x[:, None], 0.0), nxt)  # (B, V)
+                if track:
+                    gone = torch.zeros_like(removed).scatter_(1, x[:, None], True)  # (B, V) one-hot on x
+                    removed |= gone & (wo & ~accept)[:, None]
             nmass = nxt.sum(1)  # (B,)
             upd = has & ~accept & (nmass > 0)  # (B,) an empty residual keeps r (see verify_chain)
             r = torch.where(upd[:, None], nxt, r)  # (B, V)

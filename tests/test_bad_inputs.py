@@ -125,11 +125,23 @@ CASES = [
     ("q logits", lambda: spec(draft([[1, 2]] * 2, torch.tensor([2, 2]), q=_q(2, 2) * 3)), ValueError, "sums to"),
     ("parents order", lambda: spec(draft([[1, 2]] * 2, torch.tensor([2, 2]), parents=torch.tensor([[-1, 1]] * 2))),
      ValueError, r"Scripted: Draft.parents\[0, 1\] = 1"),
+    ("tree q without a kind", lambda: spec(draft([[1, 2]] * 2, torch.tensor([2, 2]), q=_q(2, 2),
+                                                parents=torch.tensor([[-1, -1]] * 2))),
+     ValueError, r"Scripted: Draft.siblings is None but a q was given"),
+    ("per-node kinds, one short", lambda: spec(draft([[1, 2]] * 2, torch.tensor([2, 2]), q=_q(2, 2),
+                                                    parents=torch.tensor([[-1, -1]] * 2), siblings=["sampled"])),
+     ValueError, r"Scripted: Draft.siblings as a list must name one kind"),
+    ("kind index out of range", lambda: spec(draft([[1, 2]] * 2, torch.tensor([2, 2]), q=_q(2, 2),
+                                                  parents=torch.tensor([[-1, -1]] * 2), siblings=torch.tensor([1, 7]))),
+     ValueError, r"Scripted: Draft.siblings\[0, 1\] = 7"),
     # -- verifiers (the public rejection API checks its inputs)
     ("verify_chain p nan", lambda: rejection.verify_chain(torch.tensor([[1]]), torch.full((1, 2, V), float("nan"))),
      ValueError, r"p\[0, 0, 0\] = nan"),
     ("verify_tree parents", lambda: rejection.verify_tree(torch.tensor([[1, 2]]), torch.tensor([[0, -1]]),
                                                          torch.full((1, 3, V), 1.0 / V)), ValueError, r"parents\[0, 0\]"),
+    ("verify_tree q without a kind", lambda: rejection.verify_tree(torch.tensor([[1, 2]]), torch.tensor([[-1, -1]]),
+                                                                  torch.full((1, 3, V), 1.0 / V), torch.full((1, 2, V), 1.0 / V)),
+     ValueError, r"siblings is None but a q was given"),
 ]
 
 

@@ -43,6 +43,11 @@ FIXED_TOKENS = {  # deterministic trees (same in every row)
 }
 
 
+def _verify(tokens, parents, p, q=None, **kw):
+    """verify_tree on this file's drafts: sampled ones (i.i.d. at their parent) with q, else fixed."""
+    return verify_tree(tokens, parents, p, q, siblings="sampled" if q is not None else None, **kw)
+
+
 def _depths(parents):
     d = []
     for par in parents:
@@ -153,7 +158,7 @@ def test_tree_step_matches_target(shape, mode):
     D = max(_depths(SHAPES[shape]))
     L = D + 1
     P, Q = _tables(D, seed=len(shape) * 7 + len(mode))
-    res, _ = _simulate(shape, P, Q, mode, verify_tree, seed=3 + len(mode))
+    res, _ = _simulate(shape, P, Q, mode, _verify, seed=3 + len(mode))
     # first emitted token vs p at the root (power 0.99 against TV 0.02: 26,000 samples suffice)
     first = chi_square_gof(counts(res.tokens[:, 0], V), P[0, V].numpy())
     assert first.p_value > ALPHA, first
@@ -174,7 +179,7 @@ def test_chain_tree_equals_verify_chain():
     # a chain written as a tree consumes the same uniforms in the same layout: identical results
     P, Q = _tables(4, seed=1)
     for mode in ("q", "none"):
-        res, toks = _simulate("chain", P, Q, mode, verify_tree, seed=5, n=20_000)
+        res, toks = _simulate("chain", P, Q, mode, _verify, seed=5, n=20_000)
         _, p, q = _inputs_of_chain(P, Q, toks, mode)
         ch = verify_chain(toks, p, q, generator=torch.Generator().manual_seed(6))
         assert torch.equal(res.tokens, ch.tokens) and torch.equal(res.num_accepted, ch.num_accepted)
@@ -236,7 +241,7 @@ def test_reference_without_bug_equals_verify_tree():
         D = max(_depths(SHAPES[shape]))
         P, Q = _tables(D, seed=2)
         for mode in ("q", "none"):
-            a, _ = _simulate(shape, P, Q, mode, verify_tree, seed=7, n=20_000)
+            a, _ = _simulate(shape, P, Q, mode, _verify, seed=7, n=20_000)
             b, _ = _simulate(shape, P, Q, mode, partial(_tree_ref, bug=None), seed=7, n=20_000)
             assert torch.equal(a.tokens[:, : D + 1], b.tokens[:, : D + 1]) and torch.equal(a.num_accepted, b.num_accepted)
             assert torch.equal(a.path, b.path[:, :D])
@@ -316,8 +321,8 @@ def _random_tree(draw, N):
 
 @settings(max_examples=120, deadline=None, derandomize=True)
 @given(B=st.integers(1, 4), N=st.integers(0, 7), vocab=st.integers(1, 5), with_q=st.booleans(),
-       seed=st.integers(0, 2 ** 31 - 1), data=st.data())
-def test_tree_properties(B, N, vocab, with_q, seed, data):
+       kind=st.sampled_from(["sampled", "without", "per node"]), seed=st.integers(0, 2 ** 31 - 1), data=st.data())
+def test_tree_properties(B, N, vocab, with_q, kind, seed, data):
     g = torch.Generator().manual_seed(seed)
     parents = torch.tensor([_random_tree(data.draw, N) for _ in range(B)], dtype=torch.long).reshape(B, N)
     lengths = torch.tensor([data.draw(st.integers(0, N)) for _ in range(B)])
@@ -325,8 +330,11 @@ def test_tree_properties(B, N, vocab, with_q, seed, data):
     tokens = torch.where(torch.arange(N)[None, :] < lengths[:, None], tokens, -1)
     p = torch.softmax(torch.randn(B, N + 1, vocab, generator=g) * 2, -1)
     q = torch.softmax(torch.randn(B, N, vocab, generator=g), -1) if with_q else None
-    kind = "sampled" if with_q else None
-    res = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B), siblings=kind)
+    siblings = None  # q None: deterministic; with q a kind of each sibling (rejection.SIBLING_KINDS)
+    if with_q:
+        siblings = torch.randint(0, 3, (B, N), generator=g) if kind == "per node" else kind
+    verify = partial(verify_tree, siblings=siblings)
+    res = verify(tokens, parents, p, q, generator=make_generators(seed, B))
     D = res.path.shape[1]
     assert res.tokens.shape == (B, D + 1)
     for b in range(B):  # per-row checks of a small batch
@@ -340,10 +348,11 @@ def test_tree_properties(B, N, vocab, with_q, seed, data):
         assert res.tokens[b, :m].tolist() == [int(tokens[b, i]) for i in nodes]
         last = int(res.tokens[b, m])
         assert 0 <= last < vocab and float(p[b, 1 + prev, last]) > 0  # from p's support at the node
-        alone = verify_tree(tokens[b:b + 1], parents[b:b + 1], p[b:b + 1], None if q is None else q[b:b + 1], siblings=kind,
-                            generator=make_generators(seed + b, 1))
+        one = partial(verify_tree, siblings=siblings[b:b + 1] if isinstance(siblings, torch.Tensor) else siblings)
+        alone = one(tokens[b:b + 1], parents[b:b + 1], p[b:b + 1], None if q is None else q[b:b + 1],
+                    generator=make_generators(seed + b, 1))
         assert torch.equal(alone.tokens[0, : m + 1], res.tokens[b, : m + 1])  # rows are independent
-    again = verify_tree(tokens, parents, p, q, generator=make_generators(seed, B), siblings=kind)
+    again = verify(tokens, parents, p, q, generator=make_generators(seed, B))
     assert torch.equal(again.tokens, res.tokens)  # deterministic under the seeds
 
 

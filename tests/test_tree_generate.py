@@ -2,8 +2,9 @@
 
 The proposer here is a test device: a bigram draft q(x | parent token) looked up in a table (built
 from the target's next-token distributions after each single token, so it is a decent but imperfect
-draft), filling a fixed tree shape either with i.i.d. samples from q at each parent (sampled drafts,
-SpecInfer) or with the parent's most probable distinct tokens (deterministic, q = None).
+draft), filling a fixed tree shape with i.i.d. samples from q at each parent (sampled drafts,
+SpecInfer), with distinct samples drawn without replacement by Gumbel-top-k (Sequoia; kind
+"without"), or with the parent's most probable distinct tokens (deterministic, q = None).
 """
 import pytest
 import torch
@@ -14,7 +15,7 @@ from specref.oracle.exact import hf_joint_distribution
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
 from specref.proposer import Draft
-from specref.sampling import SamplingConfig, sample
+from specref.sampling import SamplingConfig, sample, uniforms
 
 ALPHA = 1e-3
 SHAPES = {
@@ -31,6 +32,9 @@ def bigram_table(target, V):
 
 
 class BigramTreeProposer:
+    """sampled: True (i.i.d. siblings), "without" (Gumbel-top-k: the siblings of a node are the top
+    of log q + Gumbel noise, distinct, in the order of sampling without replacement), False (top-k)."""
+
     def __init__(self, table, parents, sampled):
         self.table, self.parents, self.sampled = table, torch.tensor(parents), sampled
         self.k = len(parents)
@@ -49,19 +53,26 @@ class BigramTreeProposer:
         root = ctx.tokens[rows, ctx.lengths - 1]  # (B,)
         tokens = torch.full((B, N), -1, dtype=torch.long)  # (B, N)
         q_all = torch.zeros(B, N, self.table.shape[0])  # (B, N, V)
+        keys = {}  # Gumbel-top-k: parent node -> (B, V) log q + Gumbel noise, drawn once per parent
         for i in range(N):  # topological order: the parent's token is known
             j = int(self.parents[i])
             parent_tok = root if j < 0 else tokens[:, j]  # (B,)
             q = self.table[parent_tok]  # (B, V)
-            if self.sampled and not sampling.greedy:
+            if self.sampled == "without" and not sampling.greedy:
+                if j not in keys:
+                    u = uniforms((q.shape[1],), B, generator, q.device).clamp(min=1e-12)  # (B, V)
+                    keys[j] = q.log() - (-u.log()).log()  # (B, V)
+                tokens[:, i] = keys[j].topk(int(self.rank[i]) + 1, dim=-1).indices[:, -1]  # rank-th largest key
+                q_all[:, i] = q  # the q the parent's siblings were drawn from, before any removal
+            elif self.sampled and not sampling.greedy:
                 tokens[:, i] = sample(q, generator)
                 q_all[:, i] = q
             else:
                 tokens[:, i] = q.topk(int(self.rank[i]) + 1, dim=-1).indices[:, -1]
         lengths = torch.full((B,), N) * ctx.active
         q = q_all if self.sampled and not sampling.greedy else None
-        return Draft(tokens=tokens, lengths=lengths, q=q, parents=self.parents.expand(B, N).clone(),
-                     siblings="sampled" if q is not None else "deterministic")
+        kind = "deterministic" if q is None else ("without" if self.sampled == "without" else "sampled")
+        return Draft(tokens=tokens, lengths=lengths, q=q, parents=self.parents.expand(B, N).clone(), siblings=kind)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -80,10 +91,11 @@ def test_tree_greedy_parity(shape):
 
 @pytest.mark.two_threads
 @pytest.mark.parametrize("shape,sampled", [("deep_chain", True), ("wide_fan", True), ("mixed", True),
-                                           ("wide_fan", False), ("mixed", False)])
+                                           ("wide_fan", False), ("mixed", False), ("wide_fan", "without")])
 def test_tree_whole_loop_lossless(shape, sampled):
     """Joint of the first 2 tokens vs exact (V = 16, 256 cells), 50,000 rows: power >= 0.99 against
-    TV 0.02 at 1e-3 (after pooling) is asserted."""
+    TV 0.02 at 1e-3 (after pooling) is asserted. ("wide_fan", "without"): four Gumbel-top-k
+    siblings, verified under their own kind (Sequoia's rule, rejection.verify_tree)."""
     V, L, n = 16, 2, 50_000
     target = tiny_model("llama", vocab_size=V, seed=31, init_std=0.2, logit_scale=4.0, num_heads=2, num_kv_heads=1)
     table = bigram_table(target, V)
@@ -93,7 +105,7 @@ def test_tree_whole_loop_lossless(shape, sampled):
     assert power_sample_size(exact, n) <= n
     out = speculative_generate(target, BigramTreeProposer(table, SHAPES[shape], sampled), prompt.expand(n, -1),
                                max_new_tokens=L, temperature=0.9,
-                               generator=torch.Generator().manual_seed(len(shape) * 10 + sampled))
+                               generator=torch.Generator().manual_seed(len(shape) * 10 + int(bool(sampled))))
     counts = oracle.counts(oracle.joint_index(out.tokens[:, :L].numpy(), V), V ** L)
     assert oracle.chi_square_gof(counts, exact).p_value > ALPHA
     assert out.stats.num_accepted_tokens > 0.2 * n

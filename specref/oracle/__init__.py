@@ -8,9 +8,9 @@
     generator.py  check_generator: the joint of a whole decoder's first L tokens vs the exact one
     exact.py      exact sequence distributions of tiny HF models (V^L continuations enumerated)
     toy.py        a Markov toy LM whose every distribution is known in closed form
-    tree_cases.py    token trees with known p and q tables (deterministic, sampled siblings)
+    tree_cases.py    token trees with known p and q tables (deterministic, sampled, mixed siblings)
     tree_exact.py    the exact law of one tree-verification step (SpecInfer; Sequoia without replacement)
-    tree_adapters.py tree calling conventions (specref, plain, eagle retrieve indices)
+    tree_adapters.py tree calling conventions (specref, plain, eagle retrieve indices); the draws' sibling kind
     tree_check.py    check_tree_sampler: a tree verifier, lossless law (default) or SpecInfer's exact law
     lossless.py      the lossless law: the emitted tokens follow p prefix by prefix (chains and trees)
     lossless_selftest.py  block verification, trie merge, reversed order; the lossless self-test, KS

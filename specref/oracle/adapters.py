@@ -103,7 +103,7 @@ def adapt(fn: Callable, api: str) -> Callable:
 def chain_as_tree(call: Callable) -> Callable:
     """An adapted chain sampler as a tree verifier of chains: (path (B, K), last (B,)); accepted
     tokens that differ from the drafts, a count out of range or bad padding are Malformed."""
-    def tree_call(tok, par, lens, P, Q, gens):
+    def tree_call(tok, par, lens, P, Q, gens, kind=None, kinds=None):  # a chain: no siblings, kinds unused
         B, K = tok.shape
         toks, acc = call(tok, P, Q, lens, gens)
         if toks.shape != (B, K + 1) or acc.shape != (B,):

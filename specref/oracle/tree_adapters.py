@@ -5,10 +5,11 @@ path, -1 padded, last (B,) the final token); a verifier's malformed output raise
 (the check reports it as a structural failure of the case, never a crash). Conventions:
 - specref: fn(tokens (B, N), parents (B, N), p (B, N+1, V), q (B, N, V) | None, *, lengths, generator
   [, siblings]) -> TreeResult (or a tuple (tokens (B, D+1), path (B, D), num_accepted (B,))), as
-  specref.rejection.verify_tree; with a q, `siblings` names how the nodes were drawn ("sampled":
-  i.i.d. from q, also for k i.i.d. sequences given as chains; "without": without replacement); a
-  fn without a `siblings` parameter is called without it. Greedy: fn(tokens, parents, logits
-  (B, N+1, V), *, lengths).
+  specref.rejection.verify_tree; greedy: fn(tokens, parents, logits (B, N+1, V), *, lengths).
+  A verifier with a `siblings` parameter (verify_tree's) is told how the check drew the nodes, the
+  kind of tree.SIBLING_KINDS: "sampled" (draft laws iid and trie: k chains from the root, each
+  root child an independent draw), "without", "deterministic" (q None), or for mixed cases the
+  per-node kinds (B, N) with, at the deterministic nodes, the q they were ranked by.
 - plain: one row a call: fn(tokens (N,), parents (N,), p (N+1, V), q (N, V) | None, generator)
   -> (path (m,) node indices, last token); greedy: fn(tokens, parents, logits (N+1, V)).
 - eagle: one row a call, in the layout of EAGLE (SafeAILab/EAGLE, utils.py) and Medusa: the tree is
@@ -22,6 +23,9 @@ path, -1 padded, last (B,) the final token); a verifier's malformed output raise
   candidates[best_candidate, 1 : 1 + accept_length]; greedy: fn(candidates, retrieve_indices, logits).
   (SGLang's kernels take the same tree as retrive_next_token / retrive_next_sibling links; a wrapper
   can build them from parents: first child and next sibling in index order.)
+A verifier that is not told the kind (plain, eagle, a specref one without `siblings`) gets q one-hot
+on the deterministic nodes of mixed cases: the one way to say "deterministic" in a q, under which
+the rule for independent draws is the deterministic one.
 """
 from __future__ import annotations
 
@@ -80,18 +84,21 @@ def adapt_tree(fn: Callable, api: str, greedy: bool = False, draft_law: str = "i
     `siblings`, told to a specref-convention fn that takes a `siblings` argument."""
     if api not in TREE_APIS:
         raise ValueError(f"api must be one of {TREE_APIS}, got {api!r}")
-    kind = {"iid": "sampled", "trie": "sampled", "without": "without"}.get(draft_law)
-    try:
-        told = api == "specref" and "siblings" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or C function: called as the convention without it
-        told = False
+    told = api == "specref" and not greedy and _takes_siblings(fn)
 
-    def call(tokens, parents, lengths, p, q, gens):
+    def call(tokens, parents, lengths, p, q, gens, kind=None, kinds=None):
         B = tokens.shape[0]
+        if kinds is not None and q is not None and not told:  # deterministic nodes: q one-hot on the token
+            det = (kinds == 0) & (tokens >= 0)  # (B, N)
+            q = torch.where(det[..., None], torch.nn.functional.one_hot(tokens.clamp(min=0), q.shape[-1]).to(q), q)
         if api == "specref":
-            extra = {"siblings": kind} if told and q is not None and kind else {}
-            out = fn(tokens, parents, p, lengths=lengths) if greedy else \
-                fn(tokens, parents, p, q, lengths=lengths, generator=gens, **extra)
+            if greedy:
+                out = fn(tokens, parents, p, lengths=lengths)
+            elif told:
+                out = fn(tokens, parents, p, q, lengths=lengths, generator=gens,
+                         siblings=kinds if kinds is not None else kind)
+            else:
+                out = fn(tokens, parents, p, q, lengths=lengths, generator=gens)
             return _specref_out(out, tokens, B)
         paths, last = [], []
         for b in range(B):  # one row a call
@@ -124,6 +131,14 @@ def adapt_tree(fn: Callable, api: str, greedy: bool = False, draft_law: str = "i
                 out_path[b, : len(pt)] = torch.tensor(pt)
         return out_path, torch.tensor(last, dtype=torch.long).reshape(B)
     return call
+
+
+def _takes_siblings(fn: Callable) -> bool:
+    """fn has a parameter named `siblings` (rejection.verify_tree's sibling kinds)."""
+    try:
+        return "siblings" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and other callables without a signature
+        return False
 
 
 def _specref_out(out, tokens: torch.Tensor, B: int):

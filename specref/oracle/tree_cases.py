@@ -10,14 +10,19 @@ two draft regimes, the two SpecInfer (Miao et al. 2024) verifies with multi-step
   p and q are tables over every token path of length d <= D in heap order: the path (x_1..x_d) is
   row sum_{d'<d} V^d' + joint_index(x) (root row 0; the child x of row r is row r V + 1 + x), so
   the target depends on the whole token path, like a language model.
+- mixed (`ranks` given in a sampled variant, `mixed_cases`): some nodes deterministic, the token of
+  rank r of q at their parent's path (a top-k head's r-th choice; q passed is that q, the one they
+  were ranked by), the others sampled as the check is told: top-k levels over sampled levels, a
+  top-k sibling beside sampled ones (hybrid.py's n-gram and learned branches). Verified with
+  per-node kinds (rejection.verify_tree); the exact SpecInfer law is not tabulated for them.
 `TreeCase` groups variants of one vocabulary and one regime; the check interleaves them in one
 batch (rows ragged: each has its own shape and length). `standard_tree_cases` covers depth 1-4,
 width 1-4, temperature / top-k / top-p shaped p, near one-hot p and q, p == q, empty trees, a
 p(x) = 0 draft and (a case of its own, see `duplicates`) repeated deterministic siblings.
 `draw_tree_rows` draws the rows the sampler sees.
 
-Left out: siblings each from a different q (SpecInfer with several draft models), trees mixing
-sampled and deterministic levels.
+Left out: sampled siblings each from a different q (SpecInfer with several draft models; the
+mixed cases' deterministic siblings are the one-hot instance of it).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ class TreeVariant:
     p: torch.Tensor  # deterministic: (N+1, V) per node; sampled: (rows(D), V) per token path (heap order)
     q: Optional[torch.Tensor]  # sampled: (rows(D-1), V) the q a path's children are drawn from; else None
     label: str
+    ranks: Optional[Tuple[int, ...]] = None  # sampled variants: (N,) -1 sampled, r >= 0 deterministic,
+    # the token of rank r of q at the parent's path (mixed trees); None: every node sampled
 
     @property
     def n(self) -> int:
@@ -47,7 +54,7 @@ class TreeCase:
     name: str
     vocab: int  # V
     width: int  # N_max, the padded node count of the batch
-    variants: Tuple[TreeVariant, ...]  # all deterministic or all sampled
+    variants: Tuple[TreeVariant, ...]  # all deterministic or all sampled (mixed ones count as sampled)
 
 
 def depths(parents) -> Tuple[int, ...]:
@@ -189,6 +196,26 @@ def sequence_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
     )),)
 
 
+def mixed_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
+    """Sampled trees with deterministic (top-k) nodes (`ranks`): top-k levels over sampled levels,
+    sampled levels over top-k, a top-k sibling beside sampled ones (hybrid.py's tree), a top-k chain
+    beside a sampled chain. Verified with per-node kinds."""
+    g = torch.Generator().manual_seed(seed + 13)
+    sm = lambda x: torch.softmax(x, -1)
+    V = 5
+
+    def mixed(D, parents, ranks, label):
+        v = _sampled(V, D, g, sm, sm, parents, label)
+        return TreeVariant(v.parents, None, v.p, v.q, v.label, tuple(ranks))
+
+    return (TreeCase("mixed kinds", V, 5, (
+        mixed(2, (-1, -1, 0, 0, 1), (0, 1, -1, -1, -1), "top-2 level, then sampled"),
+        mixed(2, (-1, -1, 0, 1), (-1, -1, 0, 0), "sampled level, then top-1"),
+        mixed(1, (-1, -1, -1), (0, -1, -1), "top-1 beside two samples"),
+        mixed(2, (-1, 0, -1, 2), (1, 0, -1, -1), "top-k chain beside a sampled chain"),
+    )),)
+
+
 def chain_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
     """Chains whose target p depends on the drafted prefix (a table over token paths, as a language
     model's), ragged lengths, sampled and deterministic drafts: the chain check's lossless law."""
@@ -218,9 +245,12 @@ def chain_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
 
 def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.Generator):
     """Rows of `case` for variant ids vid (B,): tokens (B, N) -1 padded, parents (B, N), lengths
-    (B,), p (B, N+1, V), q (B, N, V) or None. Sampled siblings ~ q at their parent, i.i.d.
-    (siblings="iid") or without replacement ("without"); q[b, i] is the parent's q (before any
-    removal). Padding rows of p and q are uniform (valid, never to be read)."""
+    (B,), p (B, N+1, V), q (B, N, V) or None, kinds (B, N) or None. Sampled siblings ~ q at their
+    parent, i.i.d. (siblings="iid") or without replacement ("without": from q without the tokens of
+    the earlier sampled siblings); q[b, i] is the parent's q (before any removal). A case with mixed
+    variants (`ranks`) gets kinds, the per-node indices of tree.SIBLING_KINDS (deterministic nodes
+    0, the others the draws' kind), else None. Padding rows of p and q are uniform (valid, never to
+    be read)."""
     B, N, V = vid.shape[0], case.width, case.vocab
     sampled = case.variants[0].tokens is None
     tokens = torch.full((B, N), -1, dtype=torch.long)  # (B, N)
@@ -228,6 +258,8 @@ def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.
     p = torch.full((B, N + 1, V), 1.0 / V)  # (B, N+1, V)
     q = torch.full((B, N, V), 1.0 / V) if sampled else None  # (B, N, V)
     lengths = torch.tensor([v.n for v in case.variants], dtype=torch.long)[vid]  # (B,)
+    drawn = 2 if siblings == "without" else 1  # tree.SIBLING_KINDS index of the sampled nodes
+    kinds = torch.full((B, N), drawn, dtype=torch.long) if any(v.ranks for v in case.variants) else None  # (B, N)
     for vi, var in enumerate(case.variants):
         rows = torch.nonzero(vid == vi).reshape(-1)  # (n,)
         n, k = rows.numel(), var.n
@@ -245,16 +277,21 @@ def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.
         for i, par in enumerate(var.parents):  # parents first: the parent's path is known
             prow = heap[:, par] if par >= 0 else torch.zeros(n, dtype=torch.long)  # (n,)
             qi = var.q[prow].double()  # (n, V)
-            draw = qi.clone()
-            if siblings == "without":
-                for j in range(i):  # earlier siblings' tokens are no longer available
-                    if var.parents[j] == par:
-                        draw[torch.arange(n), tokens[rows, j]] = 0.0
-            cdf = draw.cumsum(-1)  # (n, V)
-            u = torch.rand(n, 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]  # (n, 1)
-            x = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=V - 1)  # (n,)
+            rank = var.ranks[i] if var.ranks else -1
+            if rank >= 0:  # deterministic: the token of rank `rank` of q (stable on ties)
+                x = torch.sort(qi, dim=-1, descending=True, stable=True).indices[:, rank]  # (n,)
+                kinds[rows, i] = 0
+            else:
+                draw = qi.clone()
+                if siblings == "without":
+                    for j in range(i):  # earlier sampled siblings' tokens are no longer available
+                        if var.parents[j] == par and not (var.ranks and var.ranks[j] >= 0):
+                            draw[torch.arange(n), tokens[rows, j]] = 0.0
+                cdf = draw.cumsum(-1)  # (n, V)
+                u = torch.rand(n, 1, generator=gen, dtype=torch.float64) * cdf[:, -1:]  # (n, 1)
+                x = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=V - 1)  # (n,)
             tokens[rows, i] = x
             heap[:, i] = prow * V + 1 + x
             p[rows, 1 + i] = var.p[heap[:, i]].float()
             q[rows, i] = qi.float()
-    return tokens, parents, lengths, p, q
+    return tokens, parents, lengths, p, q, kinds

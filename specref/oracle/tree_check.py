@@ -135,8 +135,11 @@ def check_tree_sampler(fn: Callable, *, api: str = "specref", cases: Optional[Se
     stricter question). siblings, the draft law: "iid" (sampled siblings i.i.d. from q, SpecInfer's),
     "without" (without replacement, Sequoia's), "trie" (k i.i.d. sequences drawn from q as k chains
     from the root, default cases lossless.sequence_cases(); a verifier may merge their shared
-    prefixes) or "topk" (only the deterministic cases; q None). Default cases: standard_tree_cases().
-    Verdict PASS / FAIL / INCONCLUSIVE (no failure, but detectable_tv above tv_bound)."""
+    prefixes) or "topk" (only the deterministic cases; q None). Default cases: standard_tree_cases();
+    tree_cases.mixed_cases() (top-k and sampled nodes in one tree) under law "lossless" with "iid" or
+    "without". The verifier is told the kind of the draws (tree_adapters: a specref verifier with a
+    `siblings` parameter gets it; per-node kinds for mixed cases). Verdict PASS / FAIL / INCONCLUSIVE
+    (no failure, but detectable_tv above tv_bound)."""
     check_args(samples, seed, alpha)
     call = adapt_tree(fn, api, draft_law=siblings)
     return run_tree_check(call, cases, siblings, law, samples, alpha, seed, early_stop, max_joint_cells,
@@ -159,6 +162,11 @@ def run_tree_check(call: Callable, cases, siblings: str, law: str, samples: int,
         cases = tuple(c for c in cases if c.variants[0].tokens is not None)
         if not cases:
             raise ValueError("siblings='topk' needs cases with deterministic tokens; none were given")
+    has_mixed = any(v.ranks for c in cases for v in c.variants)
+    if has_mixed and (law != "lossless" or siblings == "trie"):
+        raise ValueError(f"cases with mixed (top-k and sampled) nodes are checked with law='lossless' and siblings "
+                         f"'iid' or 'without' (their exact SpecInfer law is not tabulated), got law={law!r}, "
+                         f"siblings={siblings!r}")
     draw_as = "iid" if siblings in ("trie", "topk") else siblings  # trie: k i.i.d. sequences, chains from the root
     looks = [max(1, samples // 8), samples] if early_stop else [samples]
     plan = {}  # (case, variant) -> tests
@@ -173,17 +181,18 @@ def run_tree_check(call: Callable, cases, siblings: str, law: str, samples: int,
     def draw(ci, case, start, stop):
         s0, s1, s2 = np.random.SeedSequence([seed, ci, start]).generate_state(3)
         vid = torch.arange(start, stop) % len(case.variants)  # (B,)
-        tok, par, lens, P, Q = draw_tree_rows(case, vid, draw_as, torch.Generator().manual_seed(int(s0)))
+        tok, par, lens, P, Q, kinds = draw_tree_rows(case, vid, draw_as, torch.Generator().manual_seed(int(s0)))
         gens = ([torch.Generator().manual_seed(int(s)) for s in np.random.SeedSequence([seed, ci, start, 1]).generate_state(stop - start)]
                 if per_row_generators else torch.Generator().manual_seed(int(s1)))
-        return vid, tok, par, lens, P, Q, gens, int(s2)
+        return vid, tok, par, lens, P, Q, kinds, gens, int(s2)
 
     def run(case, drawn):
-        vid, tok, par, lens, P, Q, gens, s2 = drawn
+        vid, tok, par, lens, P, Q, kinds, gens, s2 = drawn
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        kind = "deterministic" if Q is None else ("without" if draw_as == "without" else "sampled")
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(s2)  # for verifiers that use the global RNG
-            path, last = call(to(tok), to(par), to(lens), to(P), to(Q), gens)
+            path, last = call(to(tok), to(par), to(lens), to(P), to(Q), gens, kind=kind, kinds=to(kinds))
         return vid.numpy(), path.numpy(), last.numpy(), tok.numpy(), par.numpy(), lens.numpy()
 
     def analyse(ci, case, chunks, thr):
@@ -215,7 +224,7 @@ def run_tree_check(call: Callable, cases, siblings: str, law: str, samples: int,
                              // len(case.variants) * len(case.variants))
     has_fixed = any(c.variants[0].tokens is not None for c in cases)
     has_sampled = any(c.variants[0].tokens is None for c in cases)
-    draft_law = "topk" if siblings == "topk" else "+".join([siblings] * has_sampled + ["topk"] * has_fixed)
+    draft_law = "topk" if siblings == "topk" else "+".join([siblings] * has_sampled + ["topk"] * (has_fixed or has_mixed))
     return run_looks(cases, looks, alpha, threshold, chunk, draw, run, analyse, what, tv_bound, law, draft_law)
 
 

@@ -103,10 +103,14 @@ def test_specref_verify_tree_passes_through_the_public_api():
 
 
 def test_without_replacement_convention():
-    # Sequoia's verifier passes when the siblings are drawn without replacement; specref's i.i.d.
-    # verify_tree does not (its residual is wrong for such siblings): the convention matters
+    # Sequoia's verifier passes when the siblings are drawn without replacement, and so does
+    # specref's verify_tree told their kind (the adapter passes siblings="without"); the i.i.d. rule
+    # on the same draws does not (its residual is wrong for such siblings): the kind matters
     assert check_tree_sampler(reference_tree_without, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict != "FAIL"
-    assert check_tree_sampler(specref.verify_tree, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict == "FAIL"
+    assert check_tree_sampler(specref.verify_tree, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict != "FAIL"
+    as_iid = lambda t, pa, p, q, *, lengths, generator: specref.verify_tree(  # noqa: E731
+        t, pa, p, q, lengths=lengths, generator=generator, siblings=None if q is None else "sampled")
+    assert check_tree_sampler(as_iid, siblings="without", samples=1_500, seed=2, cases=SMALL).verdict == "FAIL"
 
 
 def test_one_row_conventions_and_per_row_generators():
@@ -198,9 +202,8 @@ def test_bad_output_is_a_failed_check(kind, what):
 
 
 def test_bad_batched_output_is_a_failed_check():
-    def wrong_tokens(tokens, parents, p, q, *, lengths, generator):  # reports a token other than the node's
-        out = specref.verify_tree(tokens, parents, p, q, lengths=lengths, generator=generator,
-                                  siblings=None if q is None else "sampled")
+    def wrong_tokens(tokens, parents, p, q, *, lengths, generator, siblings):  # reports a token other than the node's
+        out = specref.verify_tree(tokens, parents, p, q, lengths=lengths, generator=generator, siblings=siblings)
         toks = out.tokens.clone()
         toks[:, 0] = torch.where(out.num_accepted > 0, (toks[:, 0] + 1) % p.shape[-1], toks[:, 0])
         return toks, out.path, out.num_accepted
