@@ -348,11 +348,11 @@ def bench_main(argv=None) -> int:
         from .batch import run_batch_bench, write_batch_outputs
 
         qfile = find_question_file(cfg.question_file)
-        qs = load_questions(qfile, cfg.categories, cfg.questions)
-        print(label(describe(qfile)), file=sys.stderr)
+        qs, workload = load_questions(qfile, cfg.categories, cfg.questions), describe(qfile)
+        print(label(workload), file=sys.stderr)
         with torch.inference_mode():
             result = run_batch_bench(cfg, sizes, qs, command.strip())
-        result["meta"]["workload"] = describe(qfile)
+        result["meta"]["workload"] = workload
         md = None if a.markdown == "none" else Path(a.markdown)
         print(write_batch_outputs(result, Path(a.out) / "batch", md))
         bad = [(B, n) for B, per in result["rows"].items() for n, r in per.items() if r["identical"] is False]

@@ -35,7 +35,6 @@ Left out: deduplication across parts (parts come from distinct seeds); parts for
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import lzma
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
+from ..workloads import sha256_of as sha256
 from .data import FORMAT as DISTILLED_FORMAT
 from .data import Seq, iter_sequences as folder_sequences, read_manifest, write_shard
 
@@ -52,12 +52,6 @@ NGRAM = 13  # the contamination unit (word 13-grams, as corpus.py)
 SHARD_SEQUENCES = 1024  # sequences per answers shard (~200k tokens, ~0.3 MB compressed)
 
 
-def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- shards
@@ -164,23 +158,13 @@ def iter_corpus(root, parts: Optional[Sequence[str]] = None, fraction: float = 1
 
 
 def eval_ngrams(files: Sequence, n: int = NGRAM):
-    """(word n-grams of every turn / text field of the evaluation files, their records)."""
-    from .corpus import word_ngrams
+    """(word n-grams of the evaluation files' texts, their records: name, sha256, rows)."""
+    from .corpus import checked_against, dev_ngrams
 
-    grams, records = set(), []
     for path in files:
-        path, rows = Path(path), 0
-        if not path.is_file():
+        if not Path(path).is_file():
             raise ValueError(f"evaluation file {str(path)!r} does not exist")
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                row, rows = json.loads(line), rows + 1
-                texts = row.get("turns") or [row.get(k) for k in ("prompt", "question", "instruction", "text")]
-                for t in texts:
-                    if isinstance(t, str):
-                        grams |= word_ngrams(t, n)
-        records.append({"name": path.name, "sha256": sha256(path), "rows": rows})
-    return grams, records
+    return dev_ngrams(files, n), checked_against(files)
 
 
 def _requests(folder: Path) -> List[dict]:

@@ -434,13 +434,17 @@ def checked_against(paths: Sequence) -> list:
 
 
 def dev_ngrams(paths: Sequence, n: int = NGRAM) -> Set[Tuple[str, ...]]:
-    """The word n-grams of every turn of the evaluation files `paths` (a path alone is one file)."""
+    """The word n-grams of the evaluation files `paths` (a path alone is one file): every turn, or
+    the prompt / question / instruction / text field of a row without turns."""
     grams: Set[Tuple[str, ...]] = set()
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
         for line in open(path, encoding="utf-8"):
             if line.strip():
-                for turn in json.loads(line).get("turns", []):
-                    grams |= word_ngrams(turn, n)
+                row = json.loads(line)
+                texts = row.get("turns") or [row.get(k) for k in ("prompt", "question", "instruction", "text")]
+                for t in texts:
+                    if isinstance(t, str):
+                        grams |= word_ngrams(t, n)
     return grams
 
 
