@@ -1,6 +1,6 @@
 """The picker (picker.py) against the bench: predicted and measured speed-ups of the same methods
-on the same prompts, one run (`python -m specref bench --pick`): Spearman's rank correlation per
-Spec-Bench task group, the median |predicted / measured - 1| over methods, and how many categories'
+on the same prompts, one run (`python -m specref bench --pick`): Spearman's rank correlation of the
+methods over the whole workload (geometric means over its prompts) and per Spec-Bench task group, the median |predicted / measured - 1| over methods, and how many categories'
 picks land within 5% of the best measured method; a Markdown table and a plot.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 def compare(cal: Calibration, summary: dict, max_new_tokens: Optional[int] = None, near: float = 0.05) -> dict:
     """Predicted against measured (a bench summary of the same methods, report.summarize):
-    per category the prediction and the pick; Spearman per task group (geometric means over the
-    group's categories); median |predicted / measured - 1| over methods (overall); how many
+    per category the prediction and the pick; Spearman of the methods over the whole workload
+    (`spearman`, "ar" included at 1.0) and per task group (geometric means over the group's categories); median |predicted / measured - 1| over methods (overall); how many
     categories' picks are within `near` of the best measured method."""
     methods = ["ar"] + [m for m in cal.methods if m in summary]
     cats = list(next(iter(summary.values()))["per_category"])
@@ -54,11 +54,13 @@ def compare(cal: Calibration, summary: dict, max_new_tokens: Optional[int] = Non
                          measured=dict(zip(methods, mv)))
     overall = predict(cal, max_new_tokens)
     err = {m: overall[m]["speedup"] / summary[m]["overall"]["speedup"] - 1 for m in methods if m != "ar"}
+    pv_all = [overall[m]["speedup"] for m in methods]
+    mv_all = [summary[m]["overall"]["speedup"] for m in methods]
     errs = sorted(abs(e) for e in err.values())
     return dict(per_category=per_cat, groups=groups, error=err,
                 median_abs_error=errs[len(errs) // 2] if len(errs) % 2 else sum(errs[len(errs) // 2 - 1:
                                                                                       len(errs) // 2 + 1]) / 2,
-                picks_within=sum(picks.values()), categories=len(cats),
+                picks_within=sum(picks.values()), categories=len(cats), spearman=spearman(pv_all, mv_all),
                 overall=dict(predicted={m: overall[m]["speedup"] for m in methods},
                              measured={m: summary[m]["overall"]["speedup"] for m in methods}))
 
@@ -67,7 +69,8 @@ def comparison_markdown(cmp: dict, cal_s: float, bench_s: float) -> str:
     """The comparison as Markdown (BENCHMARKS.md)."""
     lines = [f"- Calibration {cal_s:.0f} s against the bench's {bench_s:.0f} s on the same methods "
              f"({cal_s / bench_s:.1%}).",
-             f"- Median |predicted / measured - 1| over methods: **{cmp['median_abs_error']:.3f}**; picks within 5% "
+             f"- Spearman of the methods over the workload: **{cmp['spearman']:.2f}**; median |predicted / measured "
+             f"- 1| over methods: **{cmp['median_abs_error']:.3f}**; picks within 5% "
              f"of the best measured method: **{cmp['picks_within']} of {cmp['categories']}** categories.",
              "", "| method | predicted (all) | measured (all) | error |", "|---|---|---|---|"]
     for m, p in cmp["overall"]["predicted"].items():

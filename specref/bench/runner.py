@@ -86,6 +86,9 @@ class BenchConfig:
     progress: bool = True
     pick: bool = False  # also run the picker's calibration (picker.py) and compare it with the bench
     pick_tokens: int = 56  # greedy: new tokens of the real answer each method is replayed on
+    pick_from: str = "benched"  # "benched": the picker calibrates on the benched prompts, all of them;
+    # "workload": as `python -m specref pick` would, on its own seeded sample of EVERY prompt of the
+    # file (chosen categories), stratified by category, within the automatic budget (calibrate.budget_for)
     weights: tuple = ()  # ((kind, path), ...): trained weights instead of the committed ones (registry.py)
 
 
@@ -204,14 +207,18 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
             target.prefill(cache, warm, torch.tensor([warm.shape[1]], device=dev), logits=False)
             target.verify_chain(cache, warm[:, -1:].repeat(1, kk + 1), pad_to=kk + 1)
 
-    cal = None
+    cal, pool = None, []
     if cfg.pick:  # the picker on the same prompts and methods, timed apart from the bench's runs
         from ..picker import PickerConfig, calibrate
 
         cand = tuple(m.name for m in methods if m.specref and m.name != "ar")
+        whole = cfg.pick_from == "workload"
+        pool = load_questions(qfile, cfg.categories, None) if whole else questions
         pc = PickerConfig(methods=cand, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                          replay_tokens=cfg.pick_tokens, budget_s=None, seed=cfg.seed, progress=cfg.progress)
-        cal = calibrate(model, [p[0].tolist() for p in prompts], pc, reg, groups=[q["category"] for q in questions])
+                          replay_tokens=cfg.pick_tokens, budget_s="auto" if whole else None, seed=cfg.seed,
+                          progress=cfg.progress)
+        cal = calibrate(model, [encode(q["turns"][0]) for q in pool] if whole else [p[0].tolist() for p in prompts],
+                        pc, reg, groups=[q["category"] for q in pool])
     t_loop = time.perf_counter()
     records: Dict[str, List[dict]] = {m.name: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods), desc="spec-bench", disable=not cfg.progress)
@@ -249,7 +256,9 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
 
         spec = {m: s for m, s in result["summary"].items() if m == "ar" or m in cal.methods}
         result["picker"] = dict(compare=compare(cal, spec), calibration_s=cal.seconds, setup_s=cal.setup_seconds,
-                                records=cal.records, verify_ratios=cal.verify_ratios)
+                                records=cal.records, verify_ratios=cal.verify_ratios, pick_from=cfg.pick_from,
+                                prompts_used=cal.prompts_used, prompts_given=cal.prompts_given,
+                                sample=[dict(question_id=pool[i]["question_id"], category=g) for i, g in cal.sample()])
     return result
 
 
@@ -304,6 +313,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--pick", action="store_true", help="also calibrate the picker (picker.py) on the same "
                     "prompts and methods, and write predicted against measured to <out>/picker.{md,json,png}")
     ap.add_argument("--pick-tokens", type=int, default=56, help="picker: new tokens of the real answer per prompt")
+    ap.add_argument("--pick-from", choices=("benched", "workload"), default="benched",
+                    help="picker: calibrate on the benched prompts (all of them), or as `python -m specref pick` "
+                         "would, on its own sample of every prompt of the file within the automatic budget")
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1],
                     help="batch sizes, e.g. 1 4 16: total throughput per method at each (bench/batch.py); "
                          "writes <out>/batch/batch.json and the batch section of the Markdown file")
@@ -335,7 +347,7 @@ def bench_main(argv=None) -> int:
                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
                       compile=a.compile, dtype=a.dtype, attn=a.attn, question_file=a.question_file, model=a.model,
                       draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
-                      pick=a.pick, pick_tokens=a.pick_tokens, weights=tuple(a.weights))
+                      pick=a.pick, pick_tokens=a.pick_tokens, pick_from=a.pick_from, weights=tuple(a.weights))
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
     path_flags = {"--question-file", "--out", "--markdown"}  # recorded by name: no path of this machine
@@ -371,7 +383,11 @@ def bench_main(argv=None) -> int:
         from .picker_check import comparison_markdown, plot_comparison
 
         pk, out = result["picker"], Path(a.out)
-        text = comparison_markdown(pk["compare"], pk["calibration_s"], result["meta"]["timed_loop_s"])
+        cats = sorted({r["category"] for r in pk["sample"]})
+        text = (f"- Calibrated on {pk['prompts_used']} of {pk['prompts_given']} prompts "
+                f"({'the benched prompts' if pk['pick_from'] == 'benched' else 'its own sample of the workload'}; "
+                f"{len(cats)} categories; question ids {', '.join(str(r['question_id']) for r in pk['sample'])}).\n"
+                + comparison_markdown(pk["compare"], pk["calibration_s"], result["meta"]["timed_loop_s"]))
         (out / "picker.md").write_text(text + "\n", encoding="utf-8")
         save(pk, out / "picker.json")
         plot_comparison(pk["compare"], out / "picker.png")

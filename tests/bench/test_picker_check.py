@@ -39,10 +39,34 @@ def test_bench_pick_end_to_end(tmp_path):
     assert cmp["categories"] == 3 and 0 <= cmp["picks_within"] <= 3
     assert set(cmp["groups"]) == {"multi-turn conversation", "rag", "translation"}
     assert all(-1.0 <= g["spearman"] <= 1.0 for g in cmp["groups"].values())
+    assert -1.0 <= cmp["spearman"] <= 1.0 and "Spearman of the methods over the workload" in (out / "picker.md").read_text()
     assert set(cmp["overall"]["predicted"]) == {"ar", "ngram", "eagle", "hybrid"}
     assert cmp["median_abs_error"] >= 0 and res["calibration_s"] > 0
     for c, r in cmp["per_category"].items():
         assert r["pick"] in r["measured"] and r["best"] == max(r["measured"], key=r["measured"].get)
     md = (out / "picker.md").read_text()
-    assert "Spearman" in md and "Median |predicted / measured - 1|" in md
+    assert "Spearman" in md and "median |predicted / measured - 1|" in md
+    assert "Calibrated on 3 of 3 prompts (the benched prompts; 3 categories" in md
+    assert [r["question_id"] for r in res["sample"]] and res["pick_from"] == "benched"
     assert (out / "picker.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_pick_from_workload(tmp_path):
+    """--pick-from workload: the picker samples EVERY prompt of the file (here 2 per category, of which
+    the bench runs 1), stratified by category within the automatic budget, as `specref pick` would."""
+    rows = QUESTIONS + [dict(q, question_id=q["question_id"] + 10, turns=[q["turns"][0] + " Be brief."])
+                        for q in QUESTIONS]
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps(q) + "\n" for q in rows), encoding="utf-8")
+    out = tmp_path / "out"
+    rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--methods", "ar", "ngram", "eagle",
+                     "--questions", "1", "--max-new-tokens", "16", "--pick", "--pick-tokens", "12",
+                     "--pick-from", "workload", "--out", str(out), "--markdown", "none", "--no-progress"])
+    assert rc == 0
+    res = json.loads((out / "picker.json").read_text())
+    assert res["pick_from"] == "workload" and res["prompts_given"] == 6
+    assert {r["category"] for r in res["sample"]} == {"writing", "rag", "translation"}  # every category seen
+    assert {r["question_id"] for r in res["sample"]} <= {1, 2, 3, 11, 12, 13}
+    assert res["compare"]["categories"] == 3 and -1.0 <= res["compare"]["spearman"] <= 1.0
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["meta"]["num_questions"] == 3
