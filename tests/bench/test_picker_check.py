@@ -70,3 +70,20 @@ def test_bench_pick_from_workload(tmp_path):
     assert res["compare"]["categories"] == 3 and -1.0 <= res["compare"]["spearman"] <= 1.0
     bench = json.loads((out / "bench.json").read_text())
     assert bench["meta"]["num_questions"] == 3
+
+
+@pytest.mark.parametrize("run", ["specref_workload_benched", "specref_workload_sampled", "spec_bench_dev_benched",
+                                 "spec_bench_dev_sampled"])
+def test_committed_picker_runs_meet_the_bar(run):
+    """The committed `bench --pick` runs (benchmarks/picker_workloads/, two workloads x two runs),
+    recomputed from their calibration records by this predict(): Spearman of the methods >= 0.8 and
+    median |predicted / measured - 1| <= 10% on each; a change to the prediction that loses it fails here."""
+    from pathlib import Path
+
+    from specref.bench.picker_check import recompare
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "picker_workloads" / run
+    cmp = recompare(folder)["compare"]
+    assert cmp["spearman"] >= 0.8 and cmp["median_abs_error"] <= 0.10
+    assert cmp["categories"] == 13 and set(cmp["overall"]["predicted"]) == {
+        "ar", "ngram", "eagle", "eagle2", "eagle3_tree", "medusa", "mtp", "hybrid", "hybrid_eagle2"}
