@@ -281,7 +281,8 @@ def pick_cmd(args) -> int:
             out["groups"][g] = dict(method=gm, reason=why, predicted=gp)
             print(f"  {g}: {gm} ({gp[gm]['speedup']:.2f}x predicted)")
     if args.json:
-        picker.save(dict(out, calibration_s=cal.seconds, setup_s=cal.setup_seconds, records=cal.records,
+        picker.save(dict(out, calibration_s=cal.seconds, setup_s=cal.setup_seconds, budget_s=cal.budget_s,
+                         records=cal.records,
                          sample=[dict(prompt=i, category=g) for i, g in used]), args.json)
         print(f"wrote {args.json}")
     return 0

@@ -47,7 +47,7 @@ def test_bench_pick_end_to_end(tmp_path):
     md = (out / "picker.md").read_text()
     assert "Spearman" in md and "median |predicted / measured - 1|" in md
     assert "Calibrated on 3 of 3 prompts (the benched prompts; 3 categories" in md
-    assert [r["question_id"] for r in res["sample"]] and res["pick_from"] == "benched"
+    assert [r["question_id"] for r in res["sample"]] and res["pick_from"] == "benched" and res["budget_s"] is None
     assert (out / "picker.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -64,7 +64,7 @@ def test_bench_pick_from_workload(tmp_path):
                      "--pick-from", "workload", "--out", str(out), "--markdown", "none", "--no-progress"])
     assert rc == 0
     res = json.loads((out / "picker.json").read_text())
-    assert res["pick_from"] == "workload" and res["prompts_given"] == 6
+    assert res["pick_from"] == "workload" and res["prompts_given"] == 6 and res["budget_s"] >= 30.0
     assert {r["category"] for r in res["sample"]} == {"writing", "rag", "translation"}  # every category seen
     assert {r["question_id"] for r in res["sample"]} <= {1, 2, 3, 11, 12, 13}
     assert res["compare"]["categories"] == 3 and -1.0 <= res["compare"]["spearman"] <= 1.0
