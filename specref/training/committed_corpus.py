@@ -276,8 +276,36 @@ def export(root, out, parts: Optional[Sequence[str]] = None, fraction: float = 1
 # ----------------------------------------------------------------------------- command line
 
 
+def vocab_coverage(root, answers: Sequence[Sequence[int]], sizes: Sequence[int], vocab_size: int,
+                   parts: Optional[Sequence[str]] = None, fraction: float = 1.0) -> Dict[int, float]:
+    """{Vd: the share of the `answers`' tokens inside the draft vocabulary of size Vd that training
+    would build from the corpus (draft.build_token_map: the Vd most frequent answer tokens)}: the
+    ceiling that vocabulary puts on a head's agreement with the target on those answers."""
+    from .draft import build_token_map
+
+    toks = torch.tensor([t for a in answers for t in a], dtype=torch.long)  # (N,)
+    if toks.numel() == 0:
+        raise ValueError("no answer tokens to measure coverage on")
+    seqs = list(iter_corpus(root, parts, fraction))
+    out = {}
+    for Vd in sizes:
+        keep = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
+        keep[build_token_map(seqs, vocab_size, int(Vd))] = True
+        out[int(Vd)] = float(keep[toks].float().mean())
+    return out
+
+
+def bench_answers(path, method: str = "ar") -> List[List[int]]:
+    """The generated token ids of one method's records in a bench JSON (`python -m specref bench`)."""
+    b = json.loads(Path(path).read_text(encoding="utf-8"))
+    recs = b.get("records", {}).get(method)
+    if not recs or "tokens" not in recs[0]:
+        raise ValueError(f"{path}: no {method!r} records with their tokens (bench JSONs written by the bench keep them)")
+    return [r["tokens"] for r in recs]
+
+
 def corpus_main(argv=None) -> int:
-    """`python -m specref corpus add | verify | export | stats`."""
+    """`python -m specref corpus add | verify | export | stats | coverage`."""
     import argparse
     import time
 
@@ -299,6 +327,12 @@ def corpus_main(argv=None) -> int:
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     sub.add_parser("stats", help="counts per part")
+    p = sub.add_parser("coverage", help="share of a bench run's answer tokens inside the draft vocabulary "
+                       "that training builds from the corpus, per vocabulary size")
+    p.add_argument("bench_json", nargs="+", help="bench JSONs whose 'ar' records are the target's answers")
+    p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 49152])
+    p.add_argument("--vocab-size", type=int, default=49152, help="the target's vocabulary (default: SmolLM2's)")
+    p.add_argument("--fraction", type=float, default=1.0)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     if a.cmd == "add":
@@ -316,6 +350,10 @@ def corpus_main(argv=None) -> int:
     elif a.cmd == "export":
         dman = export(a.root, a.out, a.parts, a.fraction, a.seed)
         print(json.dumps({"out": a.out, "counts": dman["counts"], "seconds": round(time.perf_counter() - t0, 1)}))
+    elif a.cmd == "coverage":
+        answers = [t for f in a.bench_json for t in bench_answers(f)]
+        cov = vocab_coverage(a.root, answers, a.sizes, a.vocab_size, fraction=a.fraction)
+        print(json.dumps({"answers": len(answers), "tokens": sum(map(len, answers)), "coverage": cov}))
     else:
         man = read_corpus_manifest(a.root)
         for part in man["parts"]:

@@ -135,3 +135,21 @@ def test_the_committed_corpus_verifies():
     first = man["parts"][0]["files"][0]
     seqs = cc.read_answers(REPO / "corpus" / first["path"])
     assert len(seqs) == first["sequences"] and sum(len(s.tokens) for s in seqs) == first["tokens"]
+
+
+def test_vocab_coverage_counts_answer_tokens_inside_the_draft_vocabulary(tmp_path):
+    """`corpus coverage`: the share of answer tokens that the draft vocabulary built from the corpus
+    holds, exact on a hand-made corpus: answer tokens 5 (x3), 7 (x2), 9 (x1)."""
+    root = tmp_path / "corpus"
+    seqs = [Seq(torch.tensor([1, 5, 5, 7]), 1), Seq(torch.tensor([2, 5, 7, 9]), 1)]
+    cc.add_part(root, _folder(tmp_path, "A", seqs), "A", [_eval_file(tmp_path)])
+    answers = [[5, 7, 9, 11], [5, 5]]  # 6 tokens: 5 x3, 7, 9, 11 (11 never in the corpus)
+    cov = cc.vocab_coverage(root, answers, [2, 3, 20], vocab_size=20)
+    assert cov == {2: pytest.approx(4 / 6), 3: pytest.approx(5 / 6), 20: 1.0}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"records": {"ar": [{"tokens": a} for a in answers]}}))
+    assert cc.bench_answers(bench) == answers
+    assert cc.corpus_main(["--root", str(root), "coverage", str(bench), "--sizes", "2", "--vocab-size", "20"]) == 0
+    with pytest.raises(ValueError, match="no 'ar' records"):
+        bench.write_text(json.dumps({"records": {"ngram": []}}))
+        cc.bench_answers(bench)
