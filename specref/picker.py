@@ -170,7 +170,8 @@ class Recommendation:
     def to_json(self) -> dict:
         cal = self.calibration
         return dict(method=self.method, reason=self.reason, predicted=self.predicted,
-                    config=asdict(cal.config), calibration_s=cal.seconds, setup_s=cal.setup_seconds, budget_s=cal.budget_s,
+                    config=asdict(cal.config), calibration_s=cal.seconds, setup_s=cal.setup_seconds,
+                    budget_s=cal.budget_s,
                     prompts_used=cal.prompts_used, prompts_given=cal.prompts_given, verify_ratios=cal.verify_ratios,
                     sample=[dict(prompt=i, category=g) for i, g in cal.sample()])
 

@@ -1,7 +1,8 @@
 """The picker (picker.py) against the bench: predicted and measured speed-ups of the same methods
 on the same prompts, one run (`python -m specref bench --pick`): Spearman's rank correlation of the
-methods over the whole workload (geometric means over its prompts) and per Spec-Bench task group, the median |predicted / measured - 1| over methods, and how many categories'
-picks land within 5% of the best measured method; a Markdown table and a plot.
+methods over the whole workload (geometric means over its prompts) and per Spec-Bench task group,
+the median |predicted / measured - 1| over methods, and how many categories' picks land within 5%
+of the best measured method; a Markdown table and a plot.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 def compare(cal: Calibration, summary: dict, max_new_tokens: Optional[int] = None, near: float = 0.05) -> dict:
     """Predicted against measured (a bench summary of the same methods, report.summarize):
     per category the prediction and the pick; Spearman of the methods over the whole workload
-    (`spearman`, "ar" included at 1.0) and per task group (geometric means over the group's categories); median |predicted / measured - 1| over methods (overall); how many
-    categories' picks are within `near` of the best measured method."""
+    (`spearman`, "ar" included at 1.0) and per task group (geometric means over the group's
+    categories); median |predicted / measured - 1| over methods (overall); how many categories'
+    picks are within `near` of the best measured method."""
     methods = ["ar"] + [m for m in cal.methods if m in summary]
     cats = list(next(iter(summary.values()))["per_category"])
     per_cat, picks = {}, {}

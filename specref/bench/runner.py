@@ -256,7 +256,8 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
 
         spec = {m: s for m, s in result["summary"].items() if m == "ar" or m in cal.methods}
         result["picker"] = dict(compare=compare(cal, spec), calibration_s=cal.seconds, setup_s=cal.setup_seconds,
-                                records=cal.records, verify_ratios=cal.verify_ratios, pick_from=cfg.pick_from, budget_s=cal.budget_s,
+                                records=cal.records, verify_ratios=cal.verify_ratios, pick_from=cfg.pick_from,
+                                budget_s=cal.budget_s,
                                 prompts_used=cal.prompts_used, prompts_given=cal.prompts_given,
                                 sample=[dict(question_id=pool[i]["question_id"], category=g) for i, g in cal.sample()])
     return result

@@ -300,7 +300,8 @@ def bench_answers(path, method: str = "ar") -> List[List[int]]:
     b = json.loads(Path(path).read_text(encoding="utf-8"))
     recs = b.get("records", {}).get(method)
     if not recs or "tokens" not in recs[0]:
-        raise ValueError(f"{path}: no {method!r} records with their tokens (bench JSONs written by the bench keep them)")
+        raise ValueError(f"{path}: no {method!r} records with their tokens (the bench writes them; "
+                         "benchmarks/ keeps them for 'ar' where a document says so)")
     return [r["tokens"] for r in recs]
 
 

@@ -39,7 +39,8 @@ def test_bench_pick_end_to_end(tmp_path):
     assert cmp["categories"] == 3 and 0 <= cmp["picks_within"] <= 3
     assert set(cmp["groups"]) == {"multi-turn conversation", "rag", "translation"}
     assert all(-1.0 <= g["spearman"] <= 1.0 for g in cmp["groups"].values())
-    assert -1.0 <= cmp["spearman"] <= 1.0 and "Spearman of the methods over the workload" in (out / "picker.md").read_text()
+    assert -1.0 <= cmp["spearman"] <= 1.0
+    assert "Spearman of the methods over the workload" in (out / "picker.md").read_text()
     assert set(cmp["overall"]["predicted"]) == {"ar", "ngram", "eagle", "hybrid"}
     assert cmp["median_abs_error"] >= 0 and res["calibration_s"] > 0
     for c, r in cmp["per_category"].items():
