@@ -56,15 +56,15 @@ def compare(cal: Calibration, summary: dict, max_new_tokens: Optional[int] = Non
                          measured=dict(zip(methods, mv)))
     overall = predict(cal, max_new_tokens)
     err = {m: overall[m]["speedup"] / summary[m]["overall"]["speedup"] - 1 for m in methods if m != "ar"}
-    pv_all = [overall[m]["speedup"] for m in methods]
-    mv_all = [summary[m]["overall"]["speedup"] for m in methods]
+    pred_all = {m: overall[m]["speedup"] for m in methods}
+    meas_all = {m: summary[m]["overall"]["speedup"] for m in methods}
     errs = sorted(abs(e) for e in err.values())
     return dict(per_category=per_cat, groups=groups, error=err,
                 median_abs_error=errs[len(errs) // 2] if len(errs) % 2 else sum(errs[len(errs) // 2 - 1:
                                                                                       len(errs) // 2 + 1]) / 2,
-                picks_within=sum(picks.values()), categories=len(cats), spearman=spearman(pv_all, mv_all),
-                overall=dict(predicted={m: overall[m]["speedup"] for m in methods},
-                             measured={m: summary[m]["overall"]["speedup"] for m in methods}))
+                picks_within=sum(picks.values()), categories=len(cats),
+                spearman=spearman(list(pred_all.values()), list(meas_all.values())),
+                overall=dict(predicted=pred_all, measured=meas_all))
 
 
 def comparison_markdown(cmp: dict, cal_s: float, bench_s: float) -> str:

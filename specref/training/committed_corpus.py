@@ -52,8 +52,6 @@ NGRAM = 13  # the contamination unit (word 13-grams, as corpus.py)
 SHARD_SEQUENCES = 1024  # sequences per answers shard (~200k tokens, ~0.3 MB compressed)
 
 
-
-
 # ----------------------------------------------------------------------------- shards
 
 
@@ -286,11 +284,14 @@ def vocab_coverage(root, answers: Sequence[Sequence[int]], sizes: Sequence[int],
     toks = torch.tensor([t for a in answers for t in a], dtype=torch.long)  # (N,)
     if toks.numel() == 0:
         raise ValueError("no answer tokens to measure coverage on")
-    seqs = list(iter_corpus(root, parts, fraction))
+    if not sizes or any(not 2 <= int(v) <= vocab_size for v in sizes):
+        raise ValueError(f"sizes must be draft vocabulary sizes in [2, {vocab_size}], got {list(sizes)}")
+    # the map is a prefix of one frequency order (a stable sort), so one count serves every size
+    order = build_token_map(list(iter_corpus(root, parts, fraction)), vocab_size, max(int(v) for v in sizes))
     out = {}
     for Vd in sizes:
         keep = torch.zeros(vocab_size, dtype=torch.bool)  # (V,)
-        keep[build_token_map(seqs, vocab_size, int(Vd))] = True
+        keep[order[: int(Vd)]] = True
         out[int(Vd)] = float(keep[toks].float().mean())
     return out
 
@@ -333,6 +334,8 @@ def corpus_main(argv=None) -> int:
     p.add_argument("bench_json", nargs="+", help="bench JSONs whose 'ar' records are the target's answers")
     p.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 32768, 49152])
     p.add_argument("--vocab-size", type=int, default=49152, help="the target's vocabulary (default: SmolLM2's)")
+    p.add_argument("--parts", nargs="*", default=None,
+                   help="the corpus parts to build the vocabulary from (default: all)")
     p.add_argument("--fraction", type=float, default=1.0)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -353,7 +356,7 @@ def corpus_main(argv=None) -> int:
         print(json.dumps({"out": a.out, "counts": dman["counts"], "seconds": round(time.perf_counter() - t0, 1)}))
     elif a.cmd == "coverage":
         answers = [t for f in a.bench_json for t in bench_answers(f)]
-        cov = vocab_coverage(a.root, answers, a.sizes, a.vocab_size, fraction=a.fraction)
+        cov = vocab_coverage(a.root, answers, a.sizes, a.vocab_size, a.parts, a.fraction)
         print(json.dumps({"answers": len(answers), "tokens": sum(map(len, answers)), "coverage": cov}))
     else:
         man = read_corpus_manifest(a.root)
