@@ -46,6 +46,6 @@ def trained_eagle():
     train, held = split_heldout(feature_data(target, 160), 0.2, seed=0)
     head = EagleHead(target, build_token_map(train, V, 12), seed=0)
     cfg = TrainConfig(steps=120, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=120, seed=0)
-    res = fit(EagleTask(head, EagleTrainConfig(w_cls=1.0), seed=0), train, held, cfg, progress=False,
+    res = fit(EagleTask(head, EagleTrainConfig(w_reg=0.5, w_cls=1.0), seed=0), train, held, cfg, progress=False,
               log=lambda s: None)
     return target, head.eval(), res.history

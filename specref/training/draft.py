@@ -31,7 +31,7 @@ import torch
 
 from ..draft_model import build_draft, load_trained_draft, save_draft
 from .data import Batch, Seq, teacher_topk
-from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout
+from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout, train_record
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     task = DraftDistillTask(draft, token_map, V, draft_cfg.loss)  # the stored top-k only
     result = fit(task, as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
-    record = {"data": data_record or {}, "train": asdict(train_cfg), "draft": asdict(draft_cfg),
+    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "draft": asdict(draft_cfg),
               "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
               "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history,
               "stopped_early": result.stopped_early}
@@ -178,10 +178,10 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
         return 0
     final = result.history[-1] if result.history else {}
     record = {"data": {k2: manifest[k2] for k2 in ("counts", "settings", "model_fingerprint")},
-              "train": asdict(train_cfg), "draft": asdict(draft_cfg), "train_seconds": result.seconds,
+              "train": train_record(train_cfg, result), "draft": asdict(draft_cfg), "train_seconds": result.seconds,
               "data_seconds_this_run": t_data, "heldout": {k2: v for k2, v in final.items()
                                                            if k2.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(held)}
+              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history}
     path = out / "draft.safetensors"
     save_draft(path, draft, token_map, manifest["model_fingerprint"], record)
     print(f"saved {path}\n{json.dumps(record, indent=1)}")

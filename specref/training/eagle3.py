@@ -35,7 +35,7 @@ from ..target import additive_mask
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, TrainResult, fit, is_main_process
+from .loop import TrainConfig, TrainResult, fit, is_main_process, train_record
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,8 @@ def run_eagle3_training(target: torch.nn.Module, train_seqs: Sequence[Seq], held
     head.eval()
     if is_main_process():
         final = result.history[-1] if result.history else {}
-        rec = {**(record or {}), "train": asdict(train_cfg), "eagle3": asdict(cfg), "layers": list(head.layers),
+        rec = {**(record or {}), "train": train_record(train_cfg, result), "eagle3": asdict(cfg),
+               "layers": list(head.layers),
                "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
                "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),
                "history": result.history, "stopped_early": result.stopped_early}

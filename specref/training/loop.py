@@ -211,6 +211,15 @@ class TrainResult:
     steps: int
     seconds: float
     stopped_early: bool = False  # the stopping rule ended the run before its budget
+    budget_steps: int = 0  # the budget in steps (cfg.steps, or what --epochs / --train-tokens came to)
+
+
+def train_record(cfg: TrainConfig, result: TrainResult) -> dict:
+    """A run's `train` record: its settings, with `steps` the budget it ran to (--epochs and
+    --train-tokens replace cfg.steps), `steps_run` (fewer when the stopping rule ended it) and
+    `stopped_early`."""
+    return {**asdict(cfg), "steps": result.budget_steps or cfg.steps, "steps_run": result.steps,
+            "stopped_early": result.stopped_early}
 
 
 def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: TrainConfig,
@@ -304,7 +313,7 @@ def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: Trai
             save_checkpoint(ckpt, task, opt, step, history, cfg)
     bar.close()
     state.wait_for_everyone()
-    return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start, early)
+    return TrainResult(history, step, elapsed0 + time.perf_counter() - t_start, early, cfg.steps)
 
 
 def _processes(dev: torch.device):

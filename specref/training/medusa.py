@@ -31,7 +31,7 @@ from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, as_sequence, fit
+from .loop import TrainConfig, as_sequence, fit, train_record
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
     result = fit(MedusaTask(heads, cfg), as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     acc = rank_accuracies(final, cfg.num_heads, cfg.ranks)
-    record = {"data": data_record or {}, "train": asdict(train_cfg), "medusa": asdict(cfg),
+    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "medusa": asdict(cfg),
               "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),
               "heldout_top1": acc[:, 0].tolist(), "heldout_rank_acc": acc.tolist(), "history": result.history,
               "stopped_early": result.stopped_early}

@@ -26,7 +26,7 @@ from ..mlp_speculator import MLPSpeculator, save_mlp_speculator
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, TrainResult, fit, is_main_process
+from .loop import TrainConfig, TrainResult, fit, is_main_process, train_record
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def run_mlp_speculator_training(target: torch.nn.Module, train: Sequence[Seq], h
     spec.eval()
     if is_main_process():  # data-parallel runs: the main process writes the file
         final = result.history[-1] if result.history else {}
-        rec.update({"train": asdict(train_cfg), "mlp_speculator": asdict(cfg), "arch": spec.arch(),
+        rec.update({"train": train_record(train_cfg, result), "mlp_speculator": asdict(cfg), "arch": spec.arch(),
                     "train_seconds": result.seconds, "train_sequences": len(train),
                     "heldout_sequences": len(heldout), "history": result.history,
                     "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")}})

@@ -31,7 +31,7 @@ from ..target import additive_mask
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout
+from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout, train_record
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
     stack.eval()
     if is_main_process():  # data-parallel runs: the main process writes the file
         final = result.history[-1] if result.history else {}
-        rec = {**(record or {}), "train": asdict(train_cfg), "mtp": asdict(mtp_cfg), "train_seconds": result.seconds,
+        rec = {**(record or {}), "train": train_record(train_cfg, result), "mtp": asdict(mtp_cfg),
+               "train_seconds": result.seconds,
                "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
                "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),
                "history": result.history, "stopped_early": result.stopped_early}
