@@ -216,7 +216,8 @@ def test_loss_levers_take_effect(store):
 
     reg, cls = loss(w_reg=1.0, w_cls=0.0), loss(w_reg=0.0, w_cls=1.0)
     assert loss(w_reg=1.0, w_cls=0.1) == pytest.approx(reg + 0.1 * cls, rel=1e-5)
-    assert loss() == pytest.approx(0.5 * reg + cls, rel=1e-5)
+    assert loss() == pytest.approx(reg + 0.1 * cls, rel=1e-5)  # the default: the EAGLE paper's weights
+    assert loss(w_reg=0.5, w_cls=1.0) == pytest.approx(0.5 * reg + cls, rel=1e-5)
     e3 = store_split(store, layers=(0, 1, 2), heldout_fraction=0.2)[0]
     h3 = Eagle3Head(target, build_token_map(e3, V, V), layers=(0, 1, 2), seed=0)
     b3 = collate(e3[:8], 48)
