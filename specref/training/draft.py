@@ -181,7 +181,8 @@ def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, 
               "train": train_record(train_cfg, result), "draft": asdict(draft_cfg), "train_seconds": result.seconds,
               "data_seconds_this_run": t_data, "heldout": {k2: v for k2, v in final.items()
                                                            if k2.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history}
+              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history,
+              "stopped_early": result.stopped_early}
     path = out / "draft.safetensors"
     save_draft(path, draft, token_map, manifest["model_fingerprint"], record)
     print(f"saved {path}\n{json.dumps(record, indent=1)}")

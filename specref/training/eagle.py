@@ -253,7 +253,8 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
     record = {"data": {k: manifest[k] for k in ("counts", "settings", "model_fingerprint")},
               "train": train_record(train_cfg, result), "eagle": asdict(eagle_cfg), "train_seconds": result.seconds,
               "data_seconds_this_run": t_data, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history}
+              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history,
+              "stopped_early": result.stopped_early}
     for path in [out / "eagle.safetensors"] + ([Path(export)] if export else []):
         save_eagle(path, head, manifest["model_fingerprint"], record)
         print(f"saved {path}")

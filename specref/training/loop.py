@@ -216,10 +216,8 @@ class TrainResult:
 
 def train_record(cfg: TrainConfig, result: TrainResult) -> dict:
     """A run's `train` record: its settings, with `steps` the budget it ran to (--epochs and
-    --train-tokens replace cfg.steps), `steps_run` (fewer when the stopping rule ended it) and
-    `stopped_early`."""
-    return {**asdict(cfg), "steps": result.budget_steps or cfg.steps, "steps_run": result.steps,
-            "stopped_early": result.stopped_early}
+    --train-tokens replace cfg.steps) and `steps_run` (fewer when the stopping rule ended it)."""
+    return {**asdict(cfg), "steps": result.budget_steps, "steps_run": result.steps}
 
 
 def fit(task: TrainTask, train: Sequence[Seq], heldout: Sequence[Seq], cfg: TrainConfig,

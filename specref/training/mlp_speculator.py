@@ -144,7 +144,7 @@ def run_mlp_speculator_training(target: torch.nn.Module, train: Sequence[Seq], h
         final = result.history[-1] if result.history else {}
         rec.update({"train": train_record(train_cfg, result), "mlp_speculator": asdict(cfg), "arch": spec.arch(),
                     "train_seconds": result.seconds, "train_sequences": len(train),
-                    "heldout_sequences": len(heldout), "history": result.history,
+                    "heldout_sequences": len(heldout), "history": result.history, "stopped_early": result.stopped_early,
                     "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")}})
         save_mlp_speculator(out_path, spec, fingerprint(target), rec)
     return spec, result

@@ -79,12 +79,12 @@ def test_the_record_states_the_budget_it_ran(store, tmp_path):
     cfg = replace(TCFG, steps=1000, epochs=2.0, eval_every=2)
     rec = run_eagle_store_training(_target(), train, held, cfg, EagleTrainConfig(draft_vocab=V),
                                    tmp_path / "e.safetensors")
-    assert rec["train"]["steps"] == rec["train"]["steps_run"] == 2 * nb and not rec["train"]["stopped_early"]
+    assert rec["train"]["steps"] == rec["train"]["steps_run"] == 2 * nb and not rec["stopped_early"]
     saved = json.loads(safe_open(str(tmp_path / "e.safetensors"), "pt").metadata()["record"])
     assert saved["train"]["steps"] == 2 * nb
     rec = run_eagle_store_training(_target(), train, held, replace(cfg, patience=2, min_gain=2.0),
                                    EagleTrainConfig(draft_vocab=V), tmp_path / "f.safetensors")
-    assert rec["train"]["steps"] == 2 * nb and rec["train"]["steps_run"] == 4 and rec["train"]["stopped_early"]
+    assert rec["train"]["steps"] == 2 * nb and rec["train"]["steps_run"] == 4 and rec["stopped_early"]
 
 def _head_runs(target, store, tmp_path):
     """name -> (train(init, out) -> first history row, evaluate(file) -> held-out top-1)."""
