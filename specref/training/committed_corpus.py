@@ -25,10 +25,11 @@ Commands (`python -m specref corpus ...`):
     add DIR --name NAME --eval-file F ...   append a self-distilled folder (`python -m specref data
                                             --distilled DIR --self-instruct N ...`) as a new part
     verify                                  check every file against the manifest
-    export --out DIR [--parts ..] [--fraction F]
+    export --out DIR [--parts ..] [--fraction F] [--from-fraction F0]
                                             write a distilled folder (data.py's format) that
                                             `python -m specref data --sources --distilled DIR`
-                                            scores into a feature store
+                                            scores into a feature store; --from-fraction keeps
+                                            only what F adds to F0 (nested subsets)
     stats                                   counts per part
 Left out: deduplication across parts (parts come from distinct seeds); parts for other models
 (one corpus, one target: a part with another fingerprint is refused).
@@ -134,20 +135,27 @@ def verify(root, parts: Optional[Sequence[str]] = None) -> dict:
 
 
 def iter_corpus(root, parts: Optional[Sequence[str]] = None, fraction: float = 1.0, seed: int = 0,
-                check: bool = True) -> Iterator[Seq]:
+                check: bool = True, from_fraction: float = 0.0) -> Iterator[Seq]:
     """Every sequence of the chosen parts (checksums verified first), one shard in memory at a time;
-    `fraction` < 1 keeps a seeded subset of each shard's sequences (the data curve's 1/4, 1/2)."""
+    `fraction` < 1 keeps a seeded subset of each shard's sequences (the data curve's 1/4, 1/2).
+
+    Each sequence draws r ~ U(0, 1) from its shard's seeded generator and is kept iff
+    from_fraction <= r < fraction, so the subsets nest: fraction 1/2 is fraction 1/4 plus the slice
+    from_fraction=1/4, fraction=1/2 (a data curve scores each sequence once)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction={fraction}: expected 0 < fraction <= 1")
+    if not 0.0 <= from_fraction < fraction:
+        raise ValueError(f"from_fraction={from_fraction}: expected 0 <= from_fraction < fraction ({fraction})")
     root = Path(root)
     man = verify(root, parts) if check else read_corpus_manifest(root)
     for part in _select(man, parts):
         for f in part["files"]:
             if f["path"].endswith(".safetensors.xz"):
                 seqs = read_answers(root / f["path"])
-                if fraction < 1.0:
+                if fraction < 1.0 or from_fraction > 0.0:
                     g = torch.Generator().manual_seed(seed * 1000003 + int(f["sha256"][:8], 16))
-                    keep = torch.rand(len(seqs), generator=g) < fraction  # (S,)
+                    r = torch.rand(len(seqs), generator=g)  # (S,)
+                    keep = (r >= from_fraction) & (r < fraction)  # (S,)
                     seqs = [s for s, k in zip(seqs, keep.tolist()) if k]
                 yield from seqs
 
@@ -242,9 +250,11 @@ def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, comm
 
 
 def export(root, out, parts: Optional[Sequence[str]] = None, fraction: float = 1.0, seed: int = 0,
-           shard_size: int = 256) -> dict:
-    """Write the chosen sequences as a distilled folder (data.py's shards and manifest) for
-    `python -m specref data --sources --distilled OUT`; returns that manifest."""
+           shard_size: int = 256, from_fraction: float = 0.0) -> dict:
+    """Write the chosen sequences (iter_corpus's) as a distilled folder (data.py's shards and manifest)
+    for `python -m specref data --sources --distilled OUT`; returns that manifest."""
+    if not 0.0 <= from_fraction < fraction <= 1.0:
+        raise ValueError(f"expected 0 <= from_fraction < fraction <= 1, got {from_fraction}, {fraction}")
     man = verify(root, parts)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -253,7 +263,7 @@ def export(root, out, parts: Optional[Sequence[str]] = None, fraction: float = 1
     buf: List[Seq] = []
     counts: Dict[str, int] = {"sequences": 0, "tokens": 0, "response_tokens": 0}
     n = 0
-    for s in iter_corpus(root, parts, fraction, seed, check=False):
+    for s in iter_corpus(root, parts, fraction, seed, check=False, from_fraction=from_fraction):
         buf.append(s)
         counts["sequences"] += 1
         counts["tokens"] += len(s.tokens)
@@ -265,7 +275,8 @@ def export(root, out, parts: Optional[Sequence[str]] = None, fraction: float = 1
         write_shard(out / f"shard_{n:05d}.safetensors", buf)
         n += 1
     dman = {"format": DISTILLED_FORMAT, "model_fingerprint": man["model"]["fingerprint"], "model": man["model"]["name"],
-            "from_corpus": {"parts": [p["name"] for p in _select(man, parts)], "fraction": fraction, "seed": seed},
+            "from_corpus": {"parts": [p["name"] for p in _select(man, parts)], "fraction": fraction,
+                            "from_fraction": from_fraction, "seed": seed},
             "counts": counts, "shards": n}
     (out / "manifest.json").write_text(json.dumps(dman, indent=1))
     return dman
@@ -327,6 +338,9 @@ def corpus_main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--parts", nargs="*", default=None)
     p.add_argument("--fraction", type=float, default=1.0)
+    p.add_argument("--from-fraction", type=float, default=0.0, help="keep only the seeded slice "
+                   "[from_fraction, fraction): what --fraction F adds to --fraction F0 (same seed), so a data "
+                   "curve's larger store is the smaller one plus this slice's store")
     p.add_argument("--seed", type=int, default=0)
     sub.add_parser("stats", help="counts per part")
     p = sub.add_parser("coverage", help="share of a bench run's answer tokens inside the draft vocabulary "
@@ -352,7 +366,7 @@ def corpus_main(argv=None) -> int:
         man = verify(a.root)
         print(json.dumps({"ok": True, "parts": len(man["parts"]), "counts": man["counts"]}))
     elif a.cmd == "export":
-        dman = export(a.root, a.out, a.parts, a.fraction, a.seed)
+        dman = export(a.root, a.out, a.parts, a.fraction, a.seed, from_fraction=a.from_fraction)
         print(json.dumps({"out": a.out, "counts": dman["counts"], "seconds": round(time.perf_counter() - t0, 1)}))
     elif a.cmd == "coverage":
         answers = [t for f in a.bench_json for t in bench_answers(f)]

@@ -78,6 +78,26 @@ def test_add_verify_iterate_export(tmp_path):
         cc.export(root, out)
 
 
+def test_fraction_slices_nest(tmp_path):
+    # the data curve scores each sequence once: fraction 1/2 = fraction 1/4 + the slice [1/4, 1/2)
+    root = tmp_path / "corpus"
+    cc.add_part(root, _folder(tmp_path, "A", _seqs(60, 1)), "A", [_eval_file(tmp_path)], shard_sequences=16)
+    key = lambda seqs: sorted(tuple(s.tokens.tolist()) for s in seqs)  # noqa: E731
+    quarter = list(cc.iter_corpus(root, fraction=0.25, seed=3))
+    slice_ = list(cc.iter_corpus(root, fraction=0.5, seed=3, from_fraction=0.25))
+    half = list(cc.iter_corpus(root, fraction=0.5, seed=3))
+    assert quarter and slice_ and not set(key(quarter)) & set(key(slice_))
+    assert key(quarter + slice_) == key(half)
+    dman = cc.export(root, tmp_path / "slice", fraction=0.5, seed=3, from_fraction=0.25)
+    assert dman["from_corpus"]["from_fraction"] == 0.25 and dman["counts"]["sequences"] == len(slice_)
+    _same(list(iter_sequences(tmp_path / "slice")), slice_)
+    for bad in (dict(fraction=0.5, from_fraction=0.5), dict(fraction=0.5, from_fraction=-0.1)):
+        with pytest.raises(ValueError, match="from_fraction"):
+            next(cc.iter_corpus(root, **bad))
+        with pytest.raises(ValueError, match="from_fraction"):
+            cc.export(root, tmp_path / "bad", **bad)
+
+
 def test_corrupt_or_missing_file_is_refused_by_name(tmp_path):
     root = tmp_path / "corpus"
     cc.add_part(root, _folder(tmp_path, "A", _seqs(20, 3)), "A", [_eval_file(tmp_path)], shard_sequences=8)
