@@ -134,6 +134,14 @@ def verify(root, parts: Optional[Sequence[str]] = None) -> dict:
     return man
 
 
+def _check_fractions(fraction: float, from_fraction: float) -> None:
+    """ValueError unless 0 <= from_fraction < fraction <= 1 (the seeded slice iter_corpus keeps)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction={fraction}: expected 0 < fraction <= 1")
+    if not 0.0 <= from_fraction < fraction:
+        raise ValueError(f"from_fraction={from_fraction}: expected 0 <= from_fraction < fraction ({fraction})")
+
+
 def iter_corpus(root, parts: Optional[Sequence[str]] = None, fraction: float = 1.0, seed: int = 0,
                 check: bool = True, from_fraction: float = 0.0) -> Iterator[Seq]:
     """Every sequence of the chosen parts (checksums verified first), one shard in memory at a time;
@@ -142,10 +150,7 @@ def iter_corpus(root, parts: Optional[Sequence[str]] = None, fraction: float = 1
     Each sequence draws r ~ U(0, 1) from its shard's seeded generator and is kept iff
     from_fraction <= r < fraction, so the subsets nest: fraction 1/2 is fraction 1/4 plus the slice
     from_fraction=1/4, fraction=1/2 (a data curve scores each sequence once)."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction={fraction}: expected 0 < fraction <= 1")
-    if not 0.0 <= from_fraction < fraction:
-        raise ValueError(f"from_fraction={from_fraction}: expected 0 <= from_fraction < fraction ({fraction})")
+    _check_fractions(fraction, from_fraction)
     root = Path(root)
     man = verify(root, parts) if check else read_corpus_manifest(root)
     for part in _select(man, parts):
@@ -253,8 +258,7 @@ def export(root, out, parts: Optional[Sequence[str]] = None, fraction: float = 1
            shard_size: int = 256, from_fraction: float = 0.0) -> dict:
     """Write the chosen sequences (iter_corpus's) as a distilled folder (data.py's shards and manifest)
     for `python -m specref data --sources --distilled OUT`; returns that manifest."""
-    if not 0.0 <= from_fraction < fraction <= 1.0:
-        raise ValueError(f"expected 0 <= from_fraction < fraction <= 1, got {from_fraction}, {fraction}")
+    _check_fractions(fraction, from_fraction)  # before the folder is made (iter_corpus checks lazily)
     man = verify(root, parts)
     out = Path(out)
     if out.exists() and any(out.iterdir()):

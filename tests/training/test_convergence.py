@@ -66,7 +66,6 @@ def test_fit_spends_the_budget_and_stops_when_agreement_stops_rising(store):
     assert res.stopped_early and res.steps == 4 and [r["step"] for r in res.history] == [0, 2, 4]
 
 
-
 def test_the_record_states_the_budget_it_ran(store, tmp_path):
     """--epochs / --train-tokens replace --steps: the record's `steps` is the budget the run had,
     `steps_run` what it ran (fewer when the stopping rule ended it), as in the saved file."""
@@ -85,6 +84,7 @@ def test_the_record_states_the_budget_it_ran(store, tmp_path):
     rec = run_eagle_store_training(_target(), train, held, replace(cfg, patience=2, min_gain=2.0),
                                    EagleTrainConfig(draft_vocab=V), tmp_path / "f.safetensors")
     assert rec["train"]["steps"] == 2 * nb and rec["train"]["steps_run"] == 4 and rec["stopped_early"]
+
 
 def _head_runs(target, store, tmp_path):
     """name -> (train(init, out) -> first history row, evaluate(file) -> held-out top-1)."""
