@@ -420,6 +420,8 @@ def data_main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-seconds", type=float, default=None, help="start no new shard after this long")
+    ap.add_argument("--distill-only", action="store_true", help="write (or finish) --distilled, then stop before "
+                    "scoring: the run that grows the committed corpus (`corpus add` takes the folder)")
     ap.add_argument("--eval-file", nargs="+", default=None, help="evaluation JSONL files that no training text may "
                     "share a word 13-gram with (default: $SPECREF_SPEC_BENCH; neither: unchecked, said in the manifest)")
     a = ap.parse_args(argv)
@@ -430,6 +432,9 @@ def data_main(argv=None) -> int:
     if generate and not a.distilled:
         raise ValueError("--self-instruct / --num-instructions / --passage-prompts / --real-passages write the "
                          "self-distilled folder: give it as --distilled FOLDER")
+    if a.distill_only and not generate:
+        raise ValueError("--distill-only stops after writing --distilled: give --self-instruct, --num-instructions, "
+                         "--passage-prompts or --real-passages")
     if a.threads:
         torch.set_num_threads(a.threads)
     layers = tuple(x if x == "final" else int(x) for x in a.layers)
@@ -461,6 +466,8 @@ def data_main(argv=None) -> int:
         dman = distill(target, tok, a.distilled, dcfg, passages=passages, evals=evals)
         print(json.dumps({"distilled": a.distilled, "seconds": round(time.perf_counter() - t0, 1),
                           "counts": dman["counts"]}), flush=True)
+        if a.distill_only:
+            return 0
         t0 = time.perf_counter()
     grams = corpus.dev_ngrams(evals)
     sources = [corpus.overlap_filter(s, grams) for s in corpus.load_sources(a.sources, a.distilled, tok)]

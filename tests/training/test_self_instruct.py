@@ -135,7 +135,11 @@ def test_data_command_writes_and_scores_self_distilled_answers(tmp_path, monkeyp
     args = ["--sources", "--distilled", str(tmp_path / "d"), "--self-instruct", "6", "--passage-prompts", "2",
             "--max-new-tokens", "70", "--gen-batch-size", "4", "--out", str(tmp_path / "s"), "--max-len", "64",
             "--batch-tokens", "256", "--shard-tokens", "200", "--topk", "4", "--dtype", "bfloat16"]
-    assert store.data_main(args) == 0
+    with pytest.raises(ValueError, match="--distill-only"):  # nothing to write: a mistake, said
+        store.data_main(["--sources", "--distilled", str(tmp_path / "d"), "--distill-only"])
+    assert store.data_main(args + ["--distill-only"]) == 0  # the folder alone (a GPU run that grows the corpus)
+    assert read_manifest(tmp_path / "d")["counts"]["sequences"] == 8 and not (tmp_path / "s").exists()
+    assert store.data_main(args) == 0  # the same folder, finished, then scored
     man = read_manifest(tmp_path / "d")
     assert man["self_instruct"]["requests"] == 6 and man["dtype"] == "torch.bfloat16"
     assert man["settings"]["topk"] == 0 and man["settings"]["num_instructions"] == 0
