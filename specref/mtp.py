@@ -21,7 +21,9 @@ yet) all depths predict from position i = L-2: module 1 drafts x_L; module d dra
 h^{d-1}_{L-2} and the draft x_{L-2+d}. Each module keeps its own KV cache of positions whose inputs
 are all TRUE (module d: i <= L-1-d), caught up on newly committed positions every step; module d's
 positions L-d..L-2 read drafted tokens, so they are a speculative block of d-1 slots (their h^{d-1}
-come from module d-1's own block), dropped after verification. Past depth D, module D is reused on
+come from module d-1's own block), dropped after verification. Module d's catch-up and its
+speculative block run as ONE forward (the block's columns right after each row's new true ones), so
+a step costs one module forward per depth, not two. Past depth D, module D is reused on
 its own output one position further per token (h^D_{i-1} standing in for h^{D-1}_i), which is how
 D = 1 drafts more than one token (vLLM's chain for DeepSeek's single module). vLLM runs every depth
 that way, one position further with module (step mod D); depths d <= D here instead give module d
@@ -224,30 +226,51 @@ class MTPProposer:
         with self.packed.active() if self.packed is not None else contextlib.nullcontext():
             return self._propose(ctx, sampling, generator)
 
+    def _catch_up(self, d: int, ctx: Context, spec_h: Optional[torch.Tensor] = None,
+                  spec_x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Module d (1-based) over its new true positions base_d .. L-1-d (inputs h^{d-1}_t and x_{t+d},
+        all true), followed in the SAME forward by its speculative block, if given: spec_h (B, n, D) and
+        spec_x (B, n) target ids, at positions L-d .. L-2 (n = d - 1). The true outputs go to h[d]; the
+        block's slots are committed now and dropped by update(). -> the block's outputs (B, n, D) or None."""
+        B, T = ctx.tokens.shape
+        dev, L, act, Dh = ctx.tokens.device, ctx.lengths, ctx.active, self.stack.hidden_size
+        base = self.base[d - 1]
+        todo = (L - d - base).clamp(min=0) * act  # (B,) new true positions per row
+        n = 0 if spec_h is None else spec_h.shape[1]
+        W = max(int(todo.max()) + n, 1)
+        col = torch.arange(W, device=dev).view(1, W)  # (1, W)
+        t = (base.view(B, 1) + col).clamp(max=T - 1 - d)  # (B, W) position of each true column
+        h_in = self.h[d - 1].gather(1, t.unsqueeze(-1).expand(B, W, Dh))  # (B, W, D)
+        x_in = ctx.tokens.gather(1, t + d)  # (B, W)
+        if n:  # row b's block starts right after its todo[b] true columns (ragged rows)
+            s = col - todo.view(B, 1)  # (B, W) index into the block
+            in_block = (s >= 0) & (s < n)  # (B, W)
+            s = s.clamp(0, n - 1)
+            h_in = torch.where(in_block.unsqueeze(-1), spec_h.gather(1, s.unsqueeze(-1).expand(B, W, Dh)), h_in)
+            x_in = torch.where(in_block, spec_x.gather(1, s), x_in)
+        out = self._forward(d - 1, h_in, x_in)  # (B, W, D) h^d
+        if d < len(self.h):
+            self._put(d, base, out, todo)
+        self.caches[d - 1].commit(todo + act.long() * n)
+        self.base[d - 1] = base + todo
+        if not n:
+            return None
+        at = todo.view(B, 1) + torch.arange(n, device=dev).view(1, n)  # (B, n) the block's columns
+        return out.gather(1, at.unsqueeze(-1).expand(B, n, Dh))  # (B, n, D)
+
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         B, T = ctx.tokens.shape
         dev, k, D, L, act = ctx.tokens.device, self.k, self.D, ctx.lengths, ctx.active
         rows = torch.arange(B, device=dev)  # (B,)
-        # 1. catch up: module d (1-based) at positions base_d .. L-1-d, all inputs true
-        for d in range(1, D + 1):
-            todo = (L - d - self.base[d - 1]).clamp(min=0) * act  # (B,)
-            W = max(int(todo.max()), 1)
-            t = (self.base[d - 1].view(B, 1) + torch.arange(W, device=dev)).clamp(max=T - 1 - d)  # (B, W)
-            h_in = self.h[d - 1].gather(1, t.unsqueeze(-1).expand(B, W, self.stack.hidden_size))  # (B, W, D)
-            out = self._forward(d - 1, h_in, ctx.tokens.gather(1, t + d))  # (B, W, D) h^d at t
-            if d < len(self.h):
-                self._put(d, self.base[d - 1], out, todo)
-            self.caches[d - 1].commit(todo)
-            self.base[d - 1] = self.base[d - 1] + todo
-        # 2. draft: depth 1 from h^1_{L-2}; depth j <= D from module j's block at L-j .. L-2
+        # 1. module 1 catches up (positions base_1 .. L-2, all inputs true): depth 1 drafts from h^1_{L-2}
+        self._catch_up(1, ctx)
         last = self.h[1][rows, (L - 2).clamp(min=0)]  # (B, D)
         spec = last.new_zeros(B, 0, last.shape[-1])  # (B, j-2, D) module j-1's block outputs
         tokens, qs = [], []
         for j in range(1, k + 1):
-            if 2 <= j <= D:
+            if 2 <= j <= D:  # 2. module j: its catch-up and its block at L-j .. L-2 in one forward
                 h0 = self.h[j - 1][rows, (L - j).clamp(min=0)].unsqueeze(1)  # (B, 1, D) true h^{j-1}_{L-j}
-                spec = self._forward(j - 1, torch.cat([h0, spec], dim=1), torch.stack(tokens, dim=1))  # (B, j-1, D)
-                self.caches[j - 1].commit(act.long() * (j - 1))
+                spec = self._catch_up(j, ctx, torch.cat([h0, spec], dim=1), torch.stack(tokens, dim=1))  # (B, j-1, D)
                 last = spec[:, -1]  # (B, D) h^j_{L-2}
             elif j > D:  # module D one position further, on its own output
                 last = self._forward(D - 1, last.unsqueeze(1), tokens[-1].view(B, 1))[:, 0]  # (B, D)

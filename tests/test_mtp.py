@@ -162,6 +162,36 @@ def test_draft_equals_recomputation_from_scratch(trained, which, modules, k):
         assert out.stats.accepted_per_position[1] > 0 and out.stats.acceptance_rate < 0.95, out.stats
 
 
+@pytest.mark.parametrize("modules, k", [(1, 3), (2, 3), (3, 4)])
+def test_one_module_forward_per_drafted_token(trained, modules, k):
+    """A step costs k module forwards, one per drafted token: module d's catch-up on its new true
+    positions and its speculative block share one forward (they were two before)."""
+    target, stack, _, _ = trained
+    stack = stack if modules <= stack.num_modules else MTPStack(target, num_modules=modules, seed=5).eval()
+    calls = []
+    hook = stack.register_forward_hook(lambda mod, args, out: calls.append(args[0]))
+    prop, per_step = MTPProposer(stack, MTPConfig(k=k, modules=modules)), []
+    orig = prop.propose
+
+    def propose(ctx, sampling, generator):
+        n = len(calls)
+        d = orig(ctx, sampling, generator)
+        per_step.append(calls[n:])
+        return d
+
+    prop.propose = propose
+    ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]])
+    mask = (torch.arange(7) >= torch.tensor([2, 0]).view(2, 1)).long()
+    try:
+        out = speculative_generate(target, prop, ids, mask, max_new_tokens=12, temperature=0)
+    finally:
+        hook.remove()
+    assert torch.equal(out.tokens, autoregressive_generate(target, ids, mask, max_new_tokens=12, temperature=0).tokens)
+    assert len(per_step) >= 3
+    want = list(range(modules)) + [modules - 1] * (k - modules)  # module d for depth d, then module D
+    assert all(step == want for step in per_step), per_step
+
+
 @pytest.mark.parametrize("modules, k", [(1, 1), (2, 2), (1, 3), (2, 3)])
 def test_greedy_parity_batched(trained, modules, k):
     """Batch 4, left-padded ragged prompts, eos: token for token the target's greedy output, and each

@@ -59,6 +59,10 @@ class DistillConfig:
     # (self_instruct.py, Magpie-style), answered like the seed instructions
     real_passages: int = 0  # a third stage: requests quoting REAL text as the passage (corpus.
     # passage_requests: summarise / answer about / extract from / translate documentation prose)
+    request_chunk: Optional[int] = None  # self_instruct: requests sampled per resumable chunk file,
+    # in batches of at most batch_size, so a chunk below batch_size caps the request batch (a GPU's
+    # large batch wants request_chunk >= batch_size). None: min(256, max(batch_size, 2 * self_instruct)),
+    # what the committed corpus parts were written with (their commands rebuild them unchanged)
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
@@ -67,6 +71,9 @@ class DistillConfig:
         for name in ("topk", "passage_prompts", "self_instruct", "real_passages"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.request_chunk is not None and (isinstance(self.request_chunk, bool)
+                                               or not isinstance(self.request_chunk, int) or self.request_chunk < 1):
+            raise ValueError(f"request_chunk must be None or an int >= 1, got {self.request_chunk!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
 

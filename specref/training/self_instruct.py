@@ -210,8 +210,9 @@ def distill(model, tokenizer, out_dir, config: "data.DistillConfig", progress: b
         return data.distill(model, tokenizer, out_dir, config, progress=progress, **kwargs)
     evals = eval_files() if evals is None else list(evals)
     grams = dev_ngrams(evals) if evals else None
+    chunk = config.request_chunk or min(256, max(config.batch_size, 2 * config.self_instruct))
     cfg = SelfInstructConfig(num_requests=config.self_instruct, batch_size=config.batch_size, seed=config.seed,
-                             chunk=min(256, max(config.batch_size, 2 * config.self_instruct)))
+                             chunk=chunk)
     rows = write_requests(model, tokenizer, out_dir, cfg, grams, progress)
     info = {"method": "Magpie-style user turns under kind/topic hints (self_instruct.py)",
             "requests": len(rows), "per_category": categories(rows), "filter": filter_counts(out_dir),

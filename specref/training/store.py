@@ -409,6 +409,10 @@ def data_main(argv=None) -> int:
                          "(python-docs, debian-reference: corpus.passage_requests), answered by the target")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="with --self-instruct: longest answer")
     ap.add_argument("--gen-batch-size", type=int, default=64, help="with --self-instruct: prompts per batch")
+    ap.add_argument("--request-chunk", type=int, default=None, metavar="N",
+                    help="with --self-instruct: requests sampled per resumable chunk, in batches of "
+                         "--gen-batch-size, so a smaller chunk caps the request batch (default: min(256, "
+                         "max(--gen-batch-size, 2 x --self-instruct)), what the committed parts were written with)")
     ap.add_argument("--layers", nargs="+", default=["final"], help="'final' and/or hidden_states indices")
     ap.add_argument("--max-len", type=int, default=StoreConfig.max_len)
     ap.add_argument("--batch-tokens", type=int, default=StoreConfig.batch_tokens)
@@ -453,7 +457,8 @@ def data_main(argv=None) -> int:
         # topk 0: the store scores every position itself below
         dcfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
                              batch_size=a.gen_batch_size, topk=0, passage_prompts=a.passage_prompts,
-                             self_instruct=a.self_instruct, real_passages=a.real_passages)
+                             self_instruct=a.self_instruct, real_passages=a.real_passages,
+                             request_chunk=a.request_chunk)
         passages = None
         if a.real_passages:
             grams = corpus.dev_ngrams(evals) if evals else None

@@ -105,6 +105,28 @@ def test_distill_answers_the_requests(tmp_path):
     assert prompts == want
 
 
+def test_request_chunk_sets_the_request_batch(tmp_path):
+    """request_chunk: requests sampled per chunk file (the request batch's bound); None keeps the
+    committed parts' rule min(256, max(batch_size, 2 * self_instruct))."""
+    from specref.training.data import DistillConfig, read_manifest
+    from specref.training.self_instruct import distill
+
+    model, tok = _model(), _Tok()
+    inst = tmp_path / "inst.jsonl"
+    inst.write_text(json.dumps({"id": 0, "category": "qa", "instruction": "question?"}) + "\n")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="request_chunk"):
+            DistillConfig(request_chunk=bad)
+    sampled = {}
+    for name, chunk in (("default", None), ("narrow", 4)):
+        cfg = DistillConfig(max_new_tokens=8, batch_size=4, shard_size=4, topk=0, self_instruct=5,
+                            request_chunk=chunk)
+        distill(model, tok, tmp_path / name, cfg, instructions_path=inst, progress=False, evals=[])
+        files = sorted((tmp_path / name).glob("requests_*.json"))
+        sampled[name] = {json.loads(p.read_text())["counts"]["sampled"] for p in files}
+        assert read_manifest(tmp_path / name)["settings"]["request_chunk"] == chunk
+    assert sampled == {"default": {min(256, max(4, 2 * 5))}, "narrow": {4}}
+
 
 def test_a_model_that_never_ends_a_request_is_refused(tmp_path, monkeypatch):
     import specref.generate
@@ -134,7 +156,8 @@ def test_data_command_writes_and_scores_self_distilled_answers(tmp_path, monkeyp
         store.data_main(["--sources", "--self-instruct", "4", "--out", str(tmp_path / "s")])
     args = ["--sources", "--distilled", str(tmp_path / "d"), "--self-instruct", "6", "--passage-prompts", "2",
             "--max-new-tokens", "70", "--gen-batch-size", "4", "--out", str(tmp_path / "s"), "--max-len", "64",
-            "--batch-tokens", "256", "--shard-tokens", "200", "--topk", "4", "--dtype", "bfloat16"]
+            "--batch-tokens", "256", "--shard-tokens", "200", "--topk", "4", "--dtype", "bfloat16",
+            "--request-chunk", "4"]
     with pytest.raises(ValueError, match="--distill-only"):  # nothing to write: a mistake, said
         store.data_main(["--sources", "--distilled", str(tmp_path / "d"), "--distill-only"])
     assert store.data_main(args + ["--distill-only"]) == 0  # the folder alone (a GPU run that grows the corpus)
@@ -143,6 +166,8 @@ def test_data_command_writes_and_scores_self_distilled_answers(tmp_path, monkeyp
     man = read_manifest(tmp_path / "d")
     assert man["self_instruct"]["requests"] == 6 and man["dtype"] == "torch.bfloat16"
     assert man["settings"]["topk"] == 0 and man["settings"]["num_instructions"] == 0
+    assert man["settings"]["request_chunk"] == 4 and {json.loads(p.read_text())["counts"]["sampled"]
+                                                      for p in (tmp_path / "d").glob("requests_*.json")} == {4}
     seqs = list(iter_sequences(tmp_path / "d"))
     assert len(seqs) == 8 and man["counts"]["sequences"] == 8  # 6 requests + 2 passage prompts
     scored = list(store.iter_store(tmp_path / "s", layers=()))
