@@ -113,6 +113,9 @@ def stopped(history: Sequence[dict], cfg: TrainConfig) -> bool:
     beat the best value before them by cfg.min_gain or more (the held-out agreement stopped
     rising). Never with patience 0."""
     curve = [row[cfg.stop_metric] for row in history if cfg.stop_metric in row]
+    if cfg.patience and history and not curve:  # a rule that can never fire is a silent no-op: refuse it
+        raise ValueError(f"patience {cfg.patience}: the stopping rule watches {cfg.stop_metric!r}, which this "
+                         f"task's evaluations do not report (they report {sorted(history[-1])})")
     if cfg.patience == 0 or len(curve) <= cfg.patience:
         return False
     best = max(curve[: -cfg.patience])

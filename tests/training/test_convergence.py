@@ -39,6 +39,8 @@ def test_budget_in_epochs_or_tokens_and_the_stopping_rule():
     assert stopped(rows(0.1, 0.3, 0.305, 0.309), cfg)  # two evaluations gained < 0.01
     assert stopped(rows(0.1, 0.3, 0.2, 0.25), cfg)
     assert not stopped(rows(0.1, 0.3, 0.2, 0.25), replace(cfg, patience=0))
+    with pytest.raises(ValueError, match="heldout_top1"):  # a curve the evaluations never report
+        stopped([{"heldout_h1_r0": 0.3}] * 4, cfg)
     with pytest.raises(ValueError, match="patience"):
         TrainConfig(patience=-1)
     with pytest.raises(ValueError, match="epochs"):
@@ -135,6 +137,18 @@ def test_init_continues_from_the_saved_head(name, store, tmp_path):
     assert held_first == pytest.approx(saved, abs=1e-6), (first, saved)  # agreement, loss, ...
     assert held_first != pytest.approx({k[len("heldout_"):]: v for k, v in fresh.items() if k.startswith("heldout_")},
                                        abs=1e-6)  # not a fresh head's
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "mtp", "draft"])
+def test_every_head_reports_the_stopping_rules_curve(name, store, tmp_path):
+    """Every head type's held-out evaluation reports `heldout_top1` (TrainConfig.stop_metric), so
+    `--patience` acts on it; Medusa's is head 1's top-1."""
+    torch.manual_seed(0)
+    train_fn, _, _ = _head_runs(_target(), store, tmp_path)[name]
+    first = train_fn(None, tmp_path / "a.safetensors")
+    assert 0 <= first["heldout_top1"] <= 1, first
+    if name == "medusa":
+        assert first["heldout_top1"] == pytest.approx(first["heldout_h1_r0"])
 
 
 def test_streamed_store_trains_like_in_memory(store, tmp_path):
