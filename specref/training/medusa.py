@@ -106,12 +106,11 @@ class MedusaTask:
                 out["count"] = n
             order = logq.topk(min(R, logq.shape[1]), dim=-1).indices  # (N, R) draft ids by rank
             hit = self.module.token_map[order] == ids[:, :1]  # (N, R) rank i is the target's argmax
-            if k == 1:  # head 1's top-1: the curve the stopping rule watches (TrainConfig.stop_metric)
-                out["top1"] = float(hit[:, 0].sum()) if hit.shape[1] else 0.0
             out[f"h{k}_n"] = n
             out[f"h{k}_ce"] = float(-(p * lq * valid).sum())
             for i in range(hit.shape[1]):
                 out[f"h{k}_r{i}"] = float(hit[:, i].sum())
+        out["top1"] = out["h1_r0"]  # head 1's top-1: the curve the stopping rule watches (TrainConfig.stop_metric)
         return out
 
 
