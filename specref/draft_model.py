@@ -212,7 +212,7 @@ def truncated_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
 # target's frozen input embedding (storage shared), its first L decoder layers and final norm
 # (copied, trained), and an LM head over the Vd most frequent tokens (a reduced vocabulary).
 
-WEIGHTS = FOLDER / "smollm2_135m_draft.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_draft.safetensors.xz"
 FORMAT = "specref-draft-1"
 
 

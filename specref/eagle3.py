@@ -32,7 +32,7 @@ from .eagle_head import EagleHead
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-eagle-3"
-WEIGHTS = FOLDER / "smollm2_135m_eagle3.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_eagle3.safetensors.xz"
 
 
 def default_layers(num_layers: int) -> tuple:

@@ -49,7 +49,7 @@ from .theory import DecayedAcceptance, best_draft_length, check_costs
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-eagle-1"
-WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors.xz"
 
 
 class EagleHead(torch.nn.Module):

@@ -45,7 +45,7 @@ from .typical import TypicalAcceptance
 from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
 FORMAT = "specref-medusa-1"
-WEIGHTS = FOLDER / "smollm2_135m_medusa.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_medusa.safetensors.xz"
 
 
 class ResBlock(torch.nn.Module):

@@ -49,7 +49,7 @@ from .target import Target
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-mlp-speculator-1"
-WEIGHTS = FOLDER / "smollm2_135m_mlp_speculator.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_mlp_speculator.safetensors.xz"
 
 
 class SpeculatorLayerNorm(torch.nn.Module):

@@ -62,7 +62,7 @@ from .target import additive_mask, attending
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-mtp-1"
-WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors"
+WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors.xz"
 
 
 def _count(value, name: str) -> int:

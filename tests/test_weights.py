@@ -74,3 +74,45 @@ def test_int8_storage_round_trip(tmp_path):
     assert torch.equal(dst["b"], raw["b"].float()) and load_token_map(path).tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="already int8"):
         compact(path)
+
+
+def test_xz_files_read_as_the_plain_ones(tmp_path):
+    """A name ending in .xz is written xz-compressed and read back to the same tensors and
+    metadata as the plain file; compact(--out X.xz) writes the int8 file compressed; the committed
+    files are such .xz files; a damaged .xz is a ValueError naming it."""
+    import lzma
+
+    from specref.weights import FOLDER, compact, copy_weights, read_weights
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(64, 96, generator=g).half(), "token_map": torch.arange(7, dtype=torch.int32)}
+    meta = {"format": "specref-test-1", "record": '{"steps": 4}'}
+    plain, packed = tmp_path / "h.safetensors", tmp_path / "h.safetensors.xz"
+    save_weights(plain, tensors, meta)
+    save_weights(packed, tensors, meta)
+    from safetensors.torch import load
+
+    inner = load(lzma.decompress(packed.read_bytes()))  # an xz stream of safetensors bytes
+    assert all(torch.equal(inner[n], tensors[n]) for n in tensors)
+    got, got_meta = read_weights(packed)
+    assert got_meta == meta and set(got) == set(tensors) and all(torch.equal(got[n], tensors[n]) for n in tensors)
+    assert weights_info(packed, "specref-test-1", "test head", "")["record"] == {"steps": 4}
+    assert load_token_map(packed).tolist() == list(range(7))
+    small = tmp_path / "h8.safetensors.xz"
+    compact(plain, small)
+    assert read_weights(small, tensors=False)[1]["storage"] == "int8"
+    a, b = {"w": torch.zeros(64, 96)}, {"w": torch.zeros(64, 96)}
+    compact(plain)  # in place, uncompressed: the same int8 values
+    assert small.stat().st_size < plain.stat().st_size
+    load_tensors(small, a, "test head")
+    load_tensors(plain, b, "test head")
+    assert torch.equal(a["w"], b["w"])
+    copied = tmp_path / "copy.safetensors.xz"
+    copy_weights(plain, copied)  # what a training run's --export NAME.safetensors.xz does
+    assert read_weights(copied)[1]["storage"] == "int8" and lzma.decompress(copied.read_bytes())[:8]
+    committed = sorted(p.name for p in FOLDER.glob("*.safetensors*"))
+    assert committed and all(n.endswith(".safetensors.xz") for n in committed), committed
+    bad = tmp_path / "bad.safetensors.xz"
+    bad.write_bytes(packed.read_bytes()[:-40])
+    with pytest.raises(ValueError, match="bad.safetensors.xz"):
+        read_weights(bad)

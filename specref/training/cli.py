@@ -41,7 +41,7 @@ def train_main(argv=None) -> int:
                     "of a self-distilled folder")
     ap.add_argument("--init", default=None, metavar="PATH", help="every method on feature stores (eagle and draft "
                     "with --store; mlp_speculator): continue training this saved head / draft file (e.g. specref/weights/"
-                    "smollm2_135m_eagle.safetensors), its shape and draft vocabulary kept")
+                    "smollm2_135m_eagle.safetensors.xz), its shape and draft vocabulary kept")
     ap.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
                     "sequences (replaces --steps)")
     ap.add_argument("--train-tokens", type=int, default=TrainConfig.tokens, help="budget in training tokens "
@@ -77,7 +77,7 @@ def train_main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda, ... or auto: each process's device under "
                     "`accelerate launch --num_processes N -m specref train ...` (GPUs) or `ACCELERATE_USE_CPU=1 "
                     "torchrun --nproc_per_node N -m specref train ...` (CPU processes): data-parallel training")
-    ap.add_argument("--export", default=None, help="also write the trained draft to this .safetensors path")
+    ap.add_argument("--export", default=None, help="also write the trained file to this path (.safetensors, or .safetensors.xz: xz-compressed)")
     ap.add_argument("--eval", action="store_true", help="measure tau and speed-up on Spec-Bench afterwards")
     ap.add_argument("--eval-per-category", type=int, default=2)
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
@@ -168,11 +168,11 @@ def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
 
 
 def _export(path, export) -> None:
-    import shutil
+    from ..weights import copy_weights
 
     print(f"saved {path}")
     if export:
-        shutil.copyfile(path, export)
+        copy_weights(path, export)  # an --export name ending in .xz is written xz-compressed
         print(f"saved {export}")
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..mtp import MTPStack, save_mtp
 from ..target import additive_mask
-from ..weights import fingerprint
+from ..weights import copy_weights, fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout, train_record
@@ -181,7 +181,6 @@ def run_mtp_command(data_cfg, train_cfg: TrainConfig, mtp_cfg: MTPTrainConfig, *
                                 checkpoint_dir=out, record=rec)
     if is_main_process():
         if export:
-            Path(export).parent.mkdir(parents=True, exist_ok=True)
-            Path(export).write_bytes((out / "mtp.safetensors").read_bytes())
+            copy_weights(out / "mtp.safetensors", export)
         print(json.dumps({"saved": str(out / "mtp.safetensors"), "export": export}, indent=1))
     return 0

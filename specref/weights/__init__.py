@@ -1,8 +1,8 @@
 """Trained proposer files: the committed weights in this folder, and the code that writes and reads them.
 
 Every learned proposer (the trained draft model, the EAGLE head, Medusa heads, MTP modules, the MLP
-speculator) is
-saved the same way: its trained tensors in ONE safetensors file (never pickle) with string metadata: a `format` tag naming the kind of file, the `target_fingerprint` of the model it
+speculator) is saved the same way: its trained tensors in ONE safetensors file (never pickle) with
+string metadata: a `format` tag naming the kind of file, the `target_fingerprint` of the model it
 was trained for, and a JSON `record` of how it was made (data, settings, held-out numbers). Method
 modules load their files through this module and training writes them through it, so a method
 never imports training code.
@@ -11,23 +11,29 @@ Storage: tensors as trained (16-bit), or `int8` (`compact`, what the committed f
 2-D floating matrix as int8 with one fp16 scale per row (symmetric absmax, row r = round(W_r / s_r),
 s_r = max|W_r| / 127; the scale stored as `NAME.int8_scale`), dequantised into the module's dtype
 on load. It halves the files; its effect on agreement with the target is measured before a file
-is committed as int8 (docs/training.md). Rebuild a committed file: its train command, then
-`python -m specref.weights compact FILE`.
+is committed as int8 (docs/training.md). A file whose name ends in `.xz` is the same safetensors
+bytes xz-compressed (Python's lzma; written so by save_weights, read transparently): on int8 rows
+it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file: its
+train command, then `python -m specref.weights compact FILE --out specref/weights/NAME.safetensors.xz`.
 
 The files committed here (`python -m specref train` rebuilds them; BENCHMARKS.md has the numbers):
-  smollm2_135m_draft.safetensors   the trained 2-layer draft of the default model
-  smollm2_135m_eagle.safetensors   the EAGLE-1 head of the default model
-  smollm2_135m_medusa.safetensors  the Medusa heads of the default model (and the tree they ship)
-  smollm2_135m_mtp.safetensors     the MTP module of the default model
-  smollm2_135m_mlp_speculator.safetensors  the MLP speculator of the default model (3 tied stages)
+  smollm2_135m_draft.safetensors.xz           the trained 2-layer draft of the default model
+  smollm2_135m_eagle.safetensors.xz           the EAGLE-1 head of the default model
+  smollm2_135m_eagle3.safetensors.xz          the EAGLE-3 head of the default model
+  smollm2_135m_medusa.safetensors.xz          the Medusa heads of the default model (and their tree)
+  smollm2_135m_mtp.safetensors.xz             the MTP modules of the default model
+  smollm2_135m_mlp_speculator.safetensors.xz  the MLP speculator of the default model (3 tied stages)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import lzma
+import struct
 import warnings
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
@@ -44,14 +50,51 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 
 def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -> None:
-    """A trained proposer's tensors + string metadata as one safetensors file (atomic, mode 644)."""
-    from safetensors.torch import save_file
+    """A trained proposer's tensors + string metadata as one safetensors file (atomic, mode 644);
+    xz-compressed when `path` ends in `.xz`."""
+    from safetensors.torch import save, save_file
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = str(path) + ".tmp"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if str(path).endswith(".xz"):
+        Path(tmp).write_bytes(lzma.compress(save(tensors, metadata=meta), preset=9 | lzma.PRESET_EXTREME))
+    else:
+        save_file(tensors, tmp, metadata=meta)
     Path(tmp).chmod(0o644)
     Path(tmp).replace(path)
+
+
+def copy_weights(src, dst) -> None:
+    """Copy a file from save_weights to `dst`, compressed or not as `dst`'s name says (`.xz`)."""
+    tensors, meta = read_weights(src)
+    save_weights(dst, tensors, meta)
+
+
+@functools.lru_cache(maxsize=8)
+def _xz_bytes(path: str, mtime_ns: int, size: int) -> bytes:
+    """The decompressed safetensors bytes of an .xz weight file (cached per file version)."""
+    try:
+        return lzma.decompress(Path(path).read_bytes())
+    except lzma.LZMAError as e:
+        raise ValueError(f"{path} is not a valid xz-compressed safetensors file ({e})") from None
+
+
+def read_weights(path, tensors: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(tensors, string metadata) of a file from save_weights, plain or `.xz`; tensors={} when
+    `tensors` is False (metadata only)."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    p = Path(path)
+    if not str(p).endswith(".xz"):
+        with safe_open(str(p), framework="pt") as f:
+            return ({n: f.get_tensor(n) for n in f.keys()} if tensors else {}), dict(f.metadata() or {})
+    st = p.stat()
+    raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
+    meta = dict(json.loads(raw[8:8 + n]).get("__metadata__") or {})
+    return (load(raw) if tensors else {}), meta
 
 
 def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: str, record: dict,
@@ -67,12 +110,9 @@ def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: st
 def weights_info(path, fmt: str, what: str, how: str) -> dict:
     """The metadata of a file from save_weights, its "record" parsed; ValueError if the file is
     missing ("no {what} at ...; {how}") or of another format than `fmt`."""
-    from safetensors import safe_open
-
     if not Path(path).is_file():
         raise ValueError(f"no {what} at {path}; {how}")
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
+    meta = read_weights(path, tensors=False)[1]
     if meta.get("format") != fmt:
         raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
     meta["record"] = json.loads(meta.get("record", "{}"))
@@ -116,27 +156,22 @@ def from_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def compact(path) -> dict:
-    """Rewrite a trained proposer's file in int8 storage (metadata kept, `storage` added)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
+def compact(path, out=None) -> dict:
+    """Rewrite a trained proposer's file in int8 storage (metadata kept, `storage` added) at `out`
+    (default: in place; a name ending in `.xz` is written xz-compressed)."""
+    out = path if out is None else out
+    tensors, meta = read_weights(path)
     if meta.get("storage") == "int8":
         raise ValueError(f"{path} is already int8")
-    tensors = load_file(str(path))
-    save_weights(path, to_int8(tensors), {**meta, "storage": "int8"})
-    return {"path": str(path), "bytes": Path(path).stat().st_size}
+    save_weights(out, to_int8(tensors), {**meta, "storage": "int8"})
+    return {"path": str(out), "bytes": Path(out).stat().st_size}
 
 
 def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
     """Copy the tensors of a file from save_weights into `expected` (name -> parameter), in place,
     converted to each parameter's device and dtype (int8 files dequantised); ValueError naming
     missing or unexpected names."""
-    from safetensors.torch import load_file
-
-    tensors = from_int8(load_file(str(path)))
+    tensors = from_int8(read_weights(path)[0])
     tensors.pop("token_map", None)
     if set(expected) != set(tensors):
         raise ValueError(f"{path} does not match the {what}'s parameters (missing "
@@ -148,8 +183,5 @@ def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
 
 def load_token_map(path) -> torch.Tensor:
     """The `token_map` (Vd,) of a trained proposer's file: target ids of its reduced vocabulary."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("token_map").long()  # (Vd,)
+    return read_weights(path)[0]["token_map"].long()  # (Vd,)
 
