@@ -33,7 +33,7 @@ import lzma
 import struct
 import warnings
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,21 +80,24 @@ def _xz_bytes(path: str, mtime_ns: int, size: int) -> bytes:
         raise ValueError(f"{path} is not a valid xz-compressed safetensors file ({e})") from None
 
 
-def read_weights(path, tensors: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    """(tensors, string metadata) of a file from save_weights, plain or `.xz`; tensors={} when
-    `tensors` is False (metadata only)."""
+def read_weights(path, names: Optional[Sequence[str]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(tensors, string metadata) of a file from save_weights, plain or `.xz`; names: only these
+    tensors (None: all; (): the metadata alone)."""
     from safetensors import safe_open
     from safetensors.torch import load
 
     p = Path(path)
     if not str(p).endswith(".xz"):
         with safe_open(str(p), framework="pt") as f:
-            return ({n: f.get_tensor(n) for n in f.keys()} if tensors else {}), dict(f.metadata() or {})
+            return {n: f.get_tensor(n) for n in (f.keys() if names is None else names)}, dict(f.metadata() or {})
     st = p.stat()
     raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
     n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
     meta = dict(json.loads(raw[8:8 + n]).get("__metadata__") or {})
-    return (load(raw) if tensors else {}), meta
+    if names is not None and not names:
+        return {}, meta
+    t = load(raw)
+    return (t if names is None else {k: t[k] for k in names}), meta
 
 
 def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: str, record: dict,
@@ -112,7 +115,7 @@ def weights_info(path, fmt: str, what: str, how: str) -> dict:
     missing ("no {what} at ...; {how}") or of another format than `fmt`."""
     if not Path(path).is_file():
         raise ValueError(f"no {what} at {path}; {how}")
-    meta = read_weights(path, tensors=False)[1]
+    meta = read_weights(path, names=())[1]
     if meta.get("format") != fmt:
         raise ValueError(f"{path} is not a specref {what} (format {meta.get('format')!r})")
     meta["record"] = json.loads(meta.get("record", "{}"))
@@ -183,5 +186,5 @@ def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
 
 def load_token_map(path) -> torch.Tensor:
     """The `token_map` (Vd,) of a trained proposer's file: target ids of its reduced vocabulary."""
-    return read_weights(path)[0]["token_map"].long()  # (Vd,)
+    return read_weights(path, ["token_map"])[0]["token_map"].long()  # (Vd,)
 
