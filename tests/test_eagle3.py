@@ -14,7 +14,7 @@ from specref.eagle_tree import Eagle2Config, Eagle2Proposer
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.oracle.exact import hf_joint_distribution
 from specref.sampling import SamplingConfig
-from specref.training.data import collate
+from specref.training.data import Seq, collate
 from specref.training.draft import build_token_map
 from specref.training.eagle3 import Eagle3Task, Eagle3TrainConfig, attach_layer_features, ttt_mask
 from specref.training.loop import TrainConfig, fit, split_heldout
@@ -77,6 +77,45 @@ def test_unroll_equals_drafting_recomputed(trained):
                         f = torch.cat([f, a], dim=1)
                         toks = torch.cat([toks, x[:, p0 + i + 1: p0 + i + 2]], dim=1)
                 assert torch.allclose(a[0, 0], outs[j][0, t], atol=1e-4), (j, t)
+
+
+def _unroll_uncached(head, batch, steps):
+    """The unroll without the cache: the head rerun over all blocks so far, [step 0 | ... | step j]."""
+    B, T = batch.tokens.shape
+    Tp = T - 1
+    x, full = batch.tokens[:, 1:], ttt_mask(Tp, steps, batch.attention[:, 1:])
+    pos = torch.arange(Tp)
+    feats, outs = [head.embed_features(batch.features[:, :-1])], []
+    for j in range(steps):
+        n = (j + 1) * Tp
+        f_in = torch.cat(feats, dim=1)  # (B, n, D)
+        a = head(f_in, x.repeat(1, j + 1), pos.repeat(j + 1).expand(B, n), additive_mask(full[:, :n, :n], f_in.dtype))
+        outs.append(a[:, j * Tp:])
+        feats.append(torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1))
+    return outs
+
+
+def test_cached_unroll_equals_rerunning_every_block(trained):
+    """The unroll reads earlier blocks' keys from a cache: the same outputs and the same gradients
+    as rerunning the head over all blocks (ragged batch: padding rows and keys included)."""
+    _, head, _, held = trained
+    s, n = held[1], len(held[1].tokens) - 6  # a shorter second row: padding rows and keys
+    short = Seq(s.tokens[:n], s.prompt_len, s.topk_ids[: n - s.prompt_len], s.topk_logprobs[: n - s.prompt_len],
+                s.features[:n])
+    batch = collate([held[0], short, held[2]])
+    assert not bool(batch.attention.all())
+    task = Eagle3Task(head, Eagle3TrainConfig(ttt_steps=4))
+    params = [q for _, q in head.trainable()]
+    got = task.unroll(batch, 4)
+    want = _unroll_uncached(head, batch, 4)
+    for j, (a, b) in enumerate(zip(got, want)):
+        assert torch.allclose(a, b, atol=1e-5), j
+    weights = [torch.randn(a.shape, generator=torch.Generator().manual_seed(j)) for j, a in enumerate(got)]
+    g_got = torch.autograd.grad(sum((a * w).sum() for a, w in zip(got, weights)), params, allow_unused=True)
+    g_want = torch.autograd.grad(sum((a * w).sum() for a, w in zip(want, weights)), params, allow_unused=True)
+    assert sum(a is not None for a in g_got) >= 10  # the FC, the decoder layer, the norms
+    for p, a, b in zip(params, g_got, g_want):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, atol=1e-4, rtol=1e-4)), p.shape
 
 
 def test_training_raises_agreement_at_every_step(trained):

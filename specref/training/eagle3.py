@@ -11,10 +11,11 @@ step i = 1..j, the one key at position t - j + i (its own chain's earlier drafts
 output at t is trained on the same label: the target's distribution of token t+2 (soft
 cross-entropy against the stored top-k over the draft vocabulary). Loss = mean over the steps.
 
-Here the steps are unrolled by running the head once per step over the concatenation of all steps
-so far, [step 0 | step 1 | ... | step j], with the block mask above (each earlier block's rows are
-unchanged by the later ones, so only the newest block's outputs are new); gradients flow through
-the unrolled chain. `ttt_steps=1` is plain teacher forcing (the "without" of the comparison).
+Here the steps are unrolled over the concatenation of all steps, [step 0 | step 1 | ... | step j],
+with the block mask above. Each earlier block's rows are unchanged by the later ones, so step j runs
+the head on block j's rows alone and reads blocks 0..j-1's keys and values from a cache (kept with
+their autograd graph): the same outputs and gradients as rerunning the head over all j+1 blocks, at
+(j+1) T'^2 attention scores instead of ((j+1) T')^2. Gradients flow through the unrolled chain. `ttt_steps=1` is plain teacher forcing (the "without" of the comparison).
 
 Held-out metrics: top1_step{j} (j = 1..eval_steps): the head's argmax at unrolled step j-1 equals
 the target's argmax: agreement at draft position j given j-1 drafted tokens before it (conditional
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from transformers import DynamicCache
 
 from ..eagle3 import Eagle3Head, save_eagle3
 from ..target import additive_mask
@@ -100,15 +102,14 @@ class Eagle3Task:
         x = batch.tokens[:, 1:]  # (B, T') x_{t+1}
         Tp = T - 1
         full = ttt_mask(Tp, steps, batch.attention[:, 1:])  # (B, steps*T', steps*T')
-        pos = torch.arange(Tp, device=x.device)  # (T',)
-        feats, outs = [g], []
+        pos = torch.arange(Tp, device=x.device).expand(B, Tp)  # (B, T')
+        cache = DynamicCache()  # blocks 0..j-1's keys and values, kept with their autograd graph
+        f, outs = g, []
         for j in range(steps):
-            n = (j + 1) * Tp
-            f_in = torch.cat(feats, dim=1)  # (B, n, D)
-            m = additive_mask(full[:, :n, :n], f_in.dtype)  # (B, 1, n, n)
-            a = head(f_in, x.repeat(1, j + 1), pos.repeat(j + 1).expand(B, n), m)[:, j * Tp:]  # (B, T', D)
+            m = additive_mask(full[:, j * Tp:(j + 1) * Tp, :(j + 1) * Tp], f.dtype)  # (B, 1, T', (j+1)T')
+            a = head(f, x, pos, m, cache=cache)  # (B, T', D): block j's rows only
             outs.append(a)
-            feats.append(torch.cat([torch.zeros_like(a[:, :1]), a[:, :-1]], dim=1))  # a^j_{t-1} at t
+            f = torch.cat([torch.zeros_like(a[:, :1]), a[:, :-1]], dim=1)  # a^j_{t-1} at t
         return outs
 
     def _terms(self, batch: Batch, a: torch.Tensor, step: int):
