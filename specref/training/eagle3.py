@@ -15,7 +15,8 @@ Here the steps are unrolled over the concatenation of all steps, [step 0 | step 
 with the block mask above. Each earlier block's rows are unchanged by the later ones, so step j runs
 the head on block j's rows alone and reads blocks 0..j-1's keys and values from a cache (kept with
 their autograd graph): the same outputs and gradients as rerunning the head over all j+1 blocks, at
-(j+1) T'^2 attention scores instead of ((j+1) T')^2. Gradients flow through the unrolled chain. `ttt_steps=1` is plain teacher forcing (the "without" of the comparison).
+(j+1) T'^2 attention scores instead of ((j+1) T')^2. Gradients flow through the unrolled chain.
+`ttt_steps=1` is plain teacher forcing (the "without" of the comparison).
 
 Held-out metrics: top1_step{j} (j = 1..eval_steps): the head's argmax at unrolled step j-1 equals
 the target's argmax: agreement at draft position j given j-1 drafted tokens before it (conditional
