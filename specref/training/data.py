@@ -162,14 +162,27 @@ def collate(seqs: Sequence[Seq], max_len: Optional[int] = None) -> Batch:
 
 
 @torch.no_grad()
-def teacher_topk(target: torch.nn.Module, batch: Batch, k: int):
+def teacher_topk(target: torch.nn.Module, batch: Batch, k: int, max_logits: int = 1 << 27):
     """The frozen target's top-k log-probs at every position of a right-padded batch.
 
+    The rows run in chunks whose (rows, T, V) logits hold at most `max_logits` values: a full batch
+    of long prompts (64 x 1,500 positions x 49,152 words) would otherwise hold ~19 GB of fp32
+    logits, twice. Rows are independent, so chunking changes nothing but the memory.
+
     Returns (ids (B, T, k) long, logprobs (B, T, k) float32)."""
-    out = target(input_ids=batch.tokens, attention_mask=batch.attention.long())
-    logp = torch.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-    vals, ids = logp.topk(k, dim=-1)  # (B, T, k)
-    return ids, vals
+    B, T = batch.tokens.shape
+    emb = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    V = None if emb is None else emb.weight.shape[0]
+    rows = B if V is None else max(1, max_logits // max(1, T * V))
+    ids, vals = [], []
+    for r0 in range(0, B, rows):
+        out = target(input_ids=batch.tokens[r0:r0 + rows], attention_mask=batch.attention[r0:r0 + rows].long())
+        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (rows, T, V)
+        v, i = logp.topk(k, dim=-1)  # (rows, T, k)
+        ids.append(i)
+        vals.append(v)
+        del out, logp
+    return torch.cat(ids), torch.cat(vals)
 
 
 # ----------------------------------------------------------------------------- shards

@@ -53,6 +53,19 @@ def test_collate_marks_response_positions():
     assert b.topk_ids is None
 
 
+def test_teacher_topk_in_row_chunks_equals_one_pass():
+    """A batch whose (B, T, V) logits exceed `max_logits` runs in row chunks (here one row at a
+    time): the same top-k, with memory bounded whatever the batch's prompt lengths."""
+    target = _target()
+    g = torch.Generator().manual_seed(1)
+    seqs = [Seq(torch.randint(0, V, (n,), generator=g), 2) for n in (9, 5, 12, 7, 3)]
+    batch = collate(seqs)  # (5, 12)
+    ids, logp = teacher_topk(target, batch, 8)  # one pass: 5 x 12 x 64 values
+    ids1, logp1 = teacher_topk(target, batch, 8, max_logits=12 * V)  # one row per pass
+    assert ids1.shape == ids.shape == (5, 12, 8)
+    assert torch.equal(ids1, ids) and torch.allclose(logp1, logp, atol=1e-5)
+
+
 def test_shard_round_trip(tmp_path):
     g = torch.Generator().manual_seed(0)
     seqs = [Seq(torch.randint(0, 50000, (L,), generator=g), P,
