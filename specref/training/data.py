@@ -10,7 +10,8 @@ An optional second stage (`passage_prompts`) quotes the target's own first-stage
 passages in new instructions (summarise, answer questions about, rewrite, proofread, translate,
 compare two texts): prompts of a few hundred tokens whose answers copy from the context, as
 Spec-Bench's summarisation / RAG / extraction / translation prompts do, without any evaluation
-text. Then one frozen forward of the target over each prompt + response stores the target's top-k
+text. Then one frozen forward of the target over each prompt + response (teacher.score: the LM
+head only at the response positions, in chunks) stores the target's top-k
 log-probabilities at every response position, so training distils against p without running the
 target again (storing them once costs one parallel forward per sequence; recomputing them would
 cost a target forward per batch per epoch, ~15x the draft's own training step).
@@ -37,6 +38,7 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from ..weights import fingerprint
+from .teacher import score
 
 INSTRUCTIONS = Path(__file__).resolve().parents[1] / "data" / "instructions.jsonl"
 FORMAT = 1  # bump when the shard layout changes
@@ -379,12 +381,10 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
                                           temperature=config.temperature, eos_token_id=eos,
                                           seed=config.seed * 100003 + (s + salt) * 1009 + b0)
             part = [Seq(torch.tensor(prompts[i] + gen.row(j)), len(prompts[i])) for j, i in enumerate(idx)]
-            if config.topk:
-                batch = collate(part).to(dev)
-                tid, tlp = teacher_topk(model, batch, config.topk)  # (B, T, K)
-                for j, q in enumerate(part):
-                    P, L = q.prompt_len, len(q.tokens)
-                    q.topk_ids, q.topk_logprobs = tid[j, P - 1: L - 1].cpu(), tlp[j, P - 1: L - 1].cpu()
+            if config.topk:  # p at the answer's positions only: the LM head never sees the prompt
+                for q, lab in zip(part, score(model, [(q.tokens.tolist(), q.prompt_len) for q in part], (),
+                                              config.topk)):
+                    q.topk_ids, q.topk_logprobs = lab["topk_ids"], lab["topk_logprobs"]  # (L - P, K)
             for j, i in enumerate(idx):
                 seqs[i] = part[j]
             bar.update(len(idx))

@@ -205,6 +205,12 @@ def test_distill_two_stages_and_resume(tmp_path):
     seqs = list(iter_sequences(tmp_path / "d"))
     assert man["counts"]["sequences"] == len(seqs) == 11
     assert all(len(q.tokens) - q.prompt_len == 60 and q.topk_ids.shape == (60, 4) for q in seqs)
+    # the labels (the LM head at answer positions only, teacher.score) equal a full forward's top-k there
+    ids, logp = teacher_topk(model, collate(seqs), 4)  # (11, T, 4)
+    for j, q in enumerate(seqs):
+        P, L = q.prompt_len, len(q.tokens)
+        assert torch.equal(q.topk_ids, ids[j, P - 1: L - 1])
+        assert torch.allclose(q.topk_logprobs.float(), logp[j, P - 1: L - 1], atol=1e-2)  # stored in fp16
     # the passage prompts quote first-stage answers (their first 60 characters survive the template)
     answers = [_ByteTokenizer().decode(q.tokens[q.prompt_len:].tolist()) for q in seqs[:6]]
     rows = passage_instructions(answers, 5, seed=0)
