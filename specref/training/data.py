@@ -382,8 +382,8 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
                                           seed=config.seed * 100003 + (s + salt) * 1009 + b0)
             part = [Seq(torch.tensor(prompts[i] + gen.row(j)), len(prompts[i])) for j, i in enumerate(idx)]
             if config.topk:  # p at the answer's positions only: the LM head never sees the prompt
-                for q, lab in zip(part, score(model, [(q.tokens.tolist(), q.prompt_len) for q in part], (),
-                                              config.topk)):
+                labels = score(model, [(q.tokens.tolist(), q.prompt_len) for q in part], (), config.topk)
+                for q, lab in zip(part, labels):
                     q.topk_ids, q.topk_logprobs = lab["topk_ids"], lab["topk_logprobs"]  # (L - P, K)
             for j, i in enumerate(idx):
                 seqs[i] = part[j]

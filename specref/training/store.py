@@ -43,7 +43,7 @@ import torch
 from ..weights import fingerprint
 from .corpus import Doc, Source, encode
 from .data import DistillConfig, Seq
-from .teacher import Layer, score  # noqa: F401  (score: the one forward; tests patch store.score)
+from .teacher import Layer, score
 
 FORMAT = 1  # bump when the shard layout changes
 
@@ -125,7 +125,7 @@ def shards(sources: Sequence[Source], tokenizer, cfg: StoreConfig) -> Iterator[L
         yield group
 
 
-# ----------------------------------------------------------------------------- 3. score  (teacher.score, shared with self-distillation)
+# ----------------------------------------------------------------------------- 3. score: teacher.score
 
 
 def pack(lengths: Sequence[int], batch_tokens: int) -> List[List[int]]:

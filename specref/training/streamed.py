@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .data import Seq
-from .store import Layer, _key, is_heldout, read_store_manifest, store_shards
+from .store import _key, is_heldout, read_store_manifest, store_shards
+from .teacher import Layer
 
 
 class StreamedStore:
