@@ -76,6 +76,55 @@ def test_int8_storage_round_trip(tmp_path):
         compact(path)
 
 
+def test_int4_storage_round_trip(tmp_path):
+    """compact(bits=4) packs two 4-bit values per byte with an fp16 scale per group of 64 columns of
+    a row; load_tensors dequantises them to within half a step of each group; a matrix whose columns
+    do not split into groups is stored as int8 rows; an int8 file compacts to int4 (not back)."""
+    from safetensors.torch import load_file
+
+    from specref.weights import GROUP, SCALE, SCALE4, compact, dequantise, to_int4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scales
+    w[3, 64:128] *= 50  # one group far larger than the rest of its row
+    odd = torch.randn(8, 96, generator=g)  # 96 % 64 != 0
+    tensors = {"w": w.half(), "odd": odd.half(), "b": torch.randn(5, generator=g).half(),
+               "token_map": torch.arange(4, dtype=torch.int32)}
+    p16, p8, p4, p84 = (tmp_path / f"h{x}.safetensors" for x in ("16", "8", "4", "84"))
+    for p in (p16, p8, p4):
+        save_weights(p, tensors, {"format": "specref-test-1"})
+    compact(p8)
+    compact(p4, bits=4)
+    assert p4.stat().st_size < 0.6 * p8.stat().st_size
+    info = weights_info(p4, "specref-test-1", "test head", "")
+    assert info["storage"] == "int4" and info["int4_group"] == str(GROUP) == "64"
+    raw = load_file(str(p4))
+    assert raw["w"].dtype == torch.uint8 and raw["w"].shape == (64, 128) and raw["w" + SCALE4].shape == (64, 4)
+    assert raw["odd"].dtype == torch.int8 and raw["odd" + SCALE].shape == (8,)
+    dst = {"w": torch.zeros(64, 256), "odd": torch.zeros(8, 96), "b": torch.zeros(5)}
+    load_tensors(p4, dst, "test head")
+    w16 = w.half().float()
+    step = (w16.reshape(64, 4, 64).abs().amax(-1) / 7).repeat_interleave(64, dim=1)  # (64, 256)
+    err = (dst["w"] - w16).abs()
+    assert (err <= 0.51 * step + 1e-3 * w16.abs()).all() and err.max() > 0
+    assert err[3, :64].max() < 0.05 * err[3, 64:128].max()  # the large group does not coarsen its row
+    assert ((dst["odd"] - odd.half().float()).abs() <= 0.51 * odd.half().float().abs().amax(1, keepdim=True) / 127
+            + 1e-3).all()
+    assert torch.equal(dst["b"], tensors["b"].float()) and load_token_map(p4).tolist() == [0, 1, 2, 3]
+    q = dequantise(to_int4({"x": torch.tensor([[7.0, -7.0, 3.0, 0.6]])}, group=4))["x"]  # the nibble order
+    assert q.tolist() == [[7.0, -7.0, 3.0, 1.0]]
+    compact(p8, p84, bits=4)  # int8 -> int4: the int8 file's rounding is added to int4's
+    again = {"w": torch.zeros(64, 256), "odd": torch.zeros(8, 96), "b": torch.zeros(5)}
+    load_tensors(p84, again, "test head")
+    step8 = w16.abs().amax(1, keepdim=True) / 127  # the int8 file's row step, (64, 1)
+    assert ((again["w"] - w16).abs() <= 0.52 * step + 0.51 * step8 + 1e-3 * w16.abs()).all()
+    for p, bits, msg in ((p4, 4, "already int4"), (p4, 8, "already int4"), (p16, 3, "bits")):
+        with pytest.raises(ValueError, match=msg):
+            compact(p, tmp_path / "x.safetensors", bits=bits)
+    with pytest.raises(ValueError, match="group"):
+        to_int4(tensors, group=3)
+
+
 def test_xz_files_read_as_the_plain_ones(tmp_path):
     """A name ending in .xz is written xz-compressed and read back to the same tensors and
     metadata as the plain file; compact(--out X.xz) writes the int8 file compressed; the committed

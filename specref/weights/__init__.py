@@ -11,7 +11,11 @@ Storage: tensors as trained (16-bit), or `int8` (`compact`, what the committed f
 2-D floating matrix as int8 with one fp16 scale per row (symmetric absmax, row r = round(W_r / s_r),
 s_r = max|W_r| / 127; the scale stored as `NAME.int8_scale`), dequantised into the module's dtype
 on load. It halves the files; its effect on agreement with the target is measured before a file
-is committed as int8 (docs/training.md). A file whose name ends in `.xz` is the same safetensors
+is committed as int8 (docs/training.md). `int4` (`compact(..., bits=4)`) goes further: every 2-D
+floating matrix whose columns split into groups of GROUP as 4-bit integers q in [-7, 7], two per
+byte (column 2j in the low nibble, 2j+1 in the high one, each stored as q + 8), with one fp16
+scale per group of a row (s = max|W| / 7 over the group; `NAME.int4_scale`, (R, C / GROUP));
+other 2-D matrices as int8 rows. A file whose name ends in `.xz` is the same safetensors
 bytes xz-compressed (Python's lzma; written so by save_weights, read transparently): on int8 rows
 it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file: its
 train command, then `python -m specref.weights compact FILE --out specref/weights/NAME.safetensors.xz`.
@@ -135,6 +139,8 @@ def warn_if_other_target(path, meta: dict, target: torch.nn.Module) -> None:
 
 
 SCALE = ".int8_scale"  # suffix of a row-scale tensor in an int8 file
+SCALE4 = ".int4_scale"  # suffix of a group-scale tensor in an int4 file
+GROUP = 64  # int4: columns per scale
 
 
 def to_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -150,31 +156,67 @@ def to_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def from_int8(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Undo to_int8 (float32 rows); a file without scales is returned as it is."""
-    out = {n: w for n, w in tensors.items() if not n.endswith(SCALE)}
-    for n in out:
-        if n + SCALE in tensors:
-            out[n] = out[n].float() * tensors[n + SCALE].float()[:, None]  # (R, C)
+def to_int4(tensors: Dict[str, torch.Tensor], group: int = GROUP) -> Dict[str, torch.Tensor]:
+    """Every 2-D floating matrix with C % group == 0 as packed int4 (R, C / 2) uint8 + an fp16
+    scale per group of a row (R, C / group); other 2-D floating matrices as to_int8's rows; the
+    rest unchanged. The scale is rounded to fp16 before q = round(W / s) is taken, so the stored
+    pair reproduces W to within half a step s."""
+    if not isinstance(group, int) or group < 2 or group % 2:
+        raise ValueError(f"group must be an even int >= 2, got {group!r}")
+    out = {}
+    for n, w in tensors.items():
+        if not (w.is_floating_point() and w.dim() == 2):
+            out[n] = w
+        elif w.shape[1] % group:
+            out.update(to_int8({n: w}))
+        else:
+            R, C = w.shape
+            g = w.float().reshape(R, C // group, group)  # (R, G, group)
+            s = (g.abs().amax(dim=-1) / 7.0).clamp_min(1e-6).to(torch.float16)  # (R, G)
+            q = torch.round(g / s.float()[..., None]).clamp(-7, 7).to(torch.int16)  # (R, G, group)
+            q = (q + 8).reshape(R, C)  # (R, C) in [1, 15]
+            out[n] = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # (R, C / 2)
+            out[n + SCALE4] = s
     return out
 
 
-def compact(path, out=None) -> dict:
-    """Rewrite a trained proposer's file in int8 storage (metadata kept, `storage` added) at `out`
-    (default: in place; a name ending in `.xz` is written xz-compressed)."""
+def dequantise(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Undo to_int8 / to_int4 (float32 matrices); tensors without scales are returned as they are."""
+    out = {n: w for n, w in tensors.items() if not n.endswith((SCALE, SCALE4))}
+    for n in out:
+        if n + SCALE in tensors:
+            out[n] = out[n].float() * tensors[n + SCALE].float()[:, None]  # (R, C)
+        elif n + SCALE4 in tensors:
+            p, s = out[n], tensors[n + SCALE4].float()  # (R, C / 2) uint8, (R, G)
+            q = torch.stack((p & 15, p >> 4), dim=-1).reshape(p.shape[0], -1).float() - 8  # (R, C)
+            out[n] = (q.reshape(*s.shape, -1) * s[..., None]).reshape(q.shape)  # (R, C)
+    return out
+
+
+def compact(path, out=None, bits: int = 8) -> dict:
+    """Rewrite a trained proposer's file in int8 (or int4, bits=4) storage, metadata kept and
+    `storage` added, at `out` (default: in place; a name ending in `.xz` is written xz-compressed).
+    An int8 file may be compacted to int4 (dequantised first: its rounding, at most half an int8
+    step, is added); nothing is re-quantised to the same or more bits."""
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     out = path if out is None else out
     tensors, meta = read_weights(path)
-    if meta.get("storage") == "int8":
-        raise ValueError(f"{path} is already int8")
-    save_weights(out, to_int8(tensors), {**meta, "storage": "int8"})
+    storage = meta.get("storage")
+    if storage == "int8" and bits == 8 or storage == "int4":
+        raise ValueError(f"{path} is already {storage}")
+    if bits == 4:
+        save_weights(out, to_int4(dequantise(tensors)), {**meta, "storage": "int4", "int4_group": str(GROUP)})
+    else:
+        save_weights(out, to_int8(tensors), {**meta, "storage": "int8"})
     return {"path": str(out), "bytes": Path(out).stat().st_size}
 
 
 def load_tensors(path, expected: Dict[str, torch.Tensor], what: str) -> None:
     """Copy the tensors of a file from save_weights into `expected` (name -> parameter), in place,
-    converted to each parameter's device and dtype (int8 files dequantised); ValueError naming
+    converted to each parameter's device and dtype (int8 / int4 files dequantised); ValueError naming
     missing or unexpected names."""
-    tensors = from_int8(read_weights(path)[0])
+    tensors = dequantise(read_weights(path)[0])
     tensors.pop("token_map", None)
     if set(expected) != set(tensors):
         raise ValueError(f"{path} does not match the {what}'s parameters (missing "
