@@ -82,7 +82,7 @@ def test_int4_storage_round_trip(tmp_path):
     do not split into groups is stored as int8 rows; an int8 file compacts to int4 (not back)."""
     from safetensors.torch import load_file
 
-    from specref.weights import GROUP, SCALE, SCALE4, compact, dequantise, to_int4
+    from specref.weights import GROUP, SCALE, SCALE4, compact, dequantise, read_weights, to_int4
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 256, generator=g) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scales
@@ -118,6 +118,12 @@ def test_int4_storage_round_trip(tmp_path):
     load_tensors(p84, again, "test head")
     step8 = w16.abs().amax(1, keepdim=True) / 127  # the int8 file's row step, (64, 1)
     assert ((again["w"] - w16).abs() <= 0.52 * step + 0.51 * step8 + 1e-3 * w16.abs()).all()
+    p32 = tmp_path / "h32.safetensors"
+    compact(p16, p32, bits=4, group=32)  # finer groups: more scales, a smaller error
+    assert load_file(str(p32))["w" + SCALE4].shape == (64, 8) and read_weights(p32)[1]["int4_group"] == "32"
+    fine = {"w": torch.zeros(64, 256), "odd": torch.zeros(8, 96), "b": torch.zeros(5)}
+    load_tensors(p32, fine, "test head")
+    assert (fine["w"] - w16).abs().mean() < (dst["w"] - w16).abs().mean()
     for p, bits, msg in ((p4, 4, "already int4"), (p4, 8, "already int4"), (p16, 3, "bits")):
         with pytest.raises(ValueError, match=msg):
             compact(p, tmp_path / "x.safetensors", bits=bits)

@@ -15,7 +15,9 @@ is committed as int8 (docs/training.md). `int4` (`compact(..., bits=4)`) goes fu
 floating matrix whose columns split into groups of GROUP as 4-bit integers q in [-7, 7], two per
 byte (column 2j in the low nibble, 2j+1 in the high one, each stored as q + 8), with one fp16
 scale per group of a row (s = max|W| / 7 over the group; `NAME.int4_scale`, (R, C / GROUP));
-other 2-D matrices as int8 rows. A file whose name ends in `.xz` is the same safetensors
+other 2-D matrices as int8 rows. It halves the files again but costs the EAGLE heads, Medusa, MTP
+and the draft 0.013-0.036 of agreement (docs/training.md, "int4 weight storage"), so no committed
+file uses it. A file whose name ends in `.xz` is the same safetensors
 bytes xz-compressed (Python's lzma; written so by save_weights, read transparently): on int8 rows
 it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file: its
 train command, then `python -m specref.weights compact FILE --out specref/weights/NAME.safetensors.xz`.
@@ -193,11 +195,11 @@ def dequantise(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def compact(path, out=None, bits: int = 8) -> dict:
-    """Rewrite a trained proposer's file in int8 (or int4, bits=4) storage, metadata kept and
-    `storage` added, at `out` (default: in place; a name ending in `.xz` is written xz-compressed).
-    An int8 file may be compacted to int4 (dequantised first: its rounding, at most half an int8
-    step, is added); nothing is re-quantised to the same or more bits."""
+def compact(path, out=None, bits: int = 8, group: int = GROUP) -> dict:
+    """Rewrite a trained proposer's file in int8 (or int4, bits=4, one scale per `group` columns)
+    storage, metadata kept and `storage` added, at `out` (default: in place; a name ending in `.xz`
+    is written xz-compressed). An int8 file may be compacted to int4 (dequantised first: its
+    rounding, at most half an int8 step, is added); nothing is re-quantised to the same or more bits."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     out = path if out is None else out
@@ -206,7 +208,7 @@ def compact(path, out=None, bits: int = 8) -> dict:
     if storage == "int8" and bits == 8 or storage == "int4":
         raise ValueError(f"{path} is already {storage}")
     if bits == 4:
-        save_weights(out, to_int4(dequantise(tensors)), {**meta, "storage": "int4", "int4_group": str(GROUP)})
+        save_weights(out, to_int4(dequantise(tensors), group), {**meta, "storage": "int4", "int4_group": str(group)})
     else:
         save_weights(out, to_int8(tensors), {**meta, "storage": "int8"})
     return {"path": str(out), "bytes": Path(out).stat().st_size}

@@ -1,4 +1,4 @@
-"""python -m specref.weights compact FILE [--out OUT] [--bits 8|4]: rewrite a trained proposer file in
+"""python -m specref.weights compact FILE [--out OUT] [--bits 8|4 [--group G]]: rewrite a trained proposer file in
 int8 (or int4) storage, in place or at OUT (a name ending in .xz is written xz-compressed, as the
 committed files are)."""
 import argparse
@@ -12,8 +12,9 @@ ap.add_argument("files", nargs="+", metavar="FILE")
 ap.add_argument("--out", default=None, help="where to write (one FILE only; default: in place)")
 ap.add_argument("--bits", type=int, choices=(8, 4), default=8,
                 help="8: int8 rows; 4: int4 in groups of 64 columns (an int8 file may be compacted to int4)")
+ap.add_argument("--group", type=int, default=64, help="int4: columns per fp16 scale (even)")
 a = ap.parse_args()
 if a.out is not None and len(a.files) != 1:
     ap.error("--out takes one FILE")
 for p in a.files:
-    print(json.dumps(compact(p, a.out, bits=a.bits)))
+    print(json.dumps(compact(p, a.out, bits=a.bits, group=a.group)))
