@@ -1,6 +1,6 @@
-"""python -m specref.weights compact FILE [--out OUT] [--bits 8|4 [--group G]]: rewrite a trained proposer file in
-int8 (or int4) storage, in place or at OUT (a name ending in .xz is written xz-compressed, as the
-committed files are)."""
+"""python -m specref.weights compact FILE [--out OUT] [--bits 8|4 [--group G]]: rewrite a trained
+proposer file in int8 (or int4) storage, in place or at OUT (a name ending in .xz is written
+xz-compressed, as the committed files are)."""
 import argparse
 import json
 
@@ -11,7 +11,7 @@ ap.add_argument("command", choices=["compact"])
 ap.add_argument("files", nargs="+", metavar="FILE")
 ap.add_argument("--out", default=None, help="where to write (one FILE only; default: in place)")
 ap.add_argument("--bits", type=int, choices=(8, 4), default=8,
-                help="8: int8 rows; 4: int4 in groups of 64 columns (an int8 file may be compacted to int4)")
+                help="8: int8 rows; 4: int4, one scale per --group columns (an int8 file may be compacted to int4)")
 ap.add_argument("--group", type=int, default=64, help="int4: columns per fp16 scale (even)")
 a = ap.parse_args()
 if a.out is not None and len(a.files) != 1:
