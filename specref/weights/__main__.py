@@ -4,7 +4,7 @@ xz-compressed, as the committed files are)."""
 import argparse
 import json
 
-from . import compact
+from . import GROUP, compact
 
 ap = argparse.ArgumentParser(prog="python -m specref.weights")
 ap.add_argument("command", choices=["compact"])
@@ -12,7 +12,7 @@ ap.add_argument("files", nargs="+", metavar="FILE")
 ap.add_argument("--out", default=None, help="where to write (one FILE only; default: in place)")
 ap.add_argument("--bits", type=int, choices=(8, 4), default=8,
                 help="8: int8 rows; 4: int4, one scale per --group columns (an int8 file may be compacted to int4)")
-ap.add_argument("--group", type=int, default=64, help="int4: columns per fp16 scale (even)")
+ap.add_argument("--group", type=int, default=GROUP, help=f"int4: columns per fp16 scale (even; default {GROUP})")
 a = ap.parse_args()
 if a.out is not None and len(a.files) != 1:
     ap.error("--out takes one FILE")
