@@ -15,12 +15,19 @@ import torch
 from .data import DistillConfig
 from .draft import DraftTrainConfig, run_training
 from .eagle import EagleTrainConfig, run_eagle_training
-from .loop import TrainConfig, sequence_lengths
+from .loop import TrainConfig, close_processes, sequence_lengths
 from .medusa import MedusaTrainConfig
 
 
 def train_main(argv=None) -> int:
     """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
+    try:
+        return _train_main(argv)
+    finally:
+        close_processes()  # several processes (accelerate launch): the group closed before exit
+
+
+def _train_main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
     ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator"),

@@ -331,6 +331,18 @@ def is_main_process() -> bool:
     return PartialState().is_main_process
 
 
+def close_processes() -> None:
+    """Close the process group that `accelerate launch` / torchrun opened, if any, before the process exits.
+
+    Left open, gloo's worker threads are torn down by the interpreter's exit, and a rank can abort
+    there ("terminate called without an active exception") after its work is done.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def state_sum(state, x: torch.Tensor) -> torch.Tensor:
     """x summed over every process (all-reduce); x itself with one process."""
     if state.num_processes == 1:

@@ -41,6 +41,9 @@ def run(out_dir=None):
 if __name__ == "__main__":
     from accelerate import PartialState
 
+    from specref.training.loop import close_processes
+
     result = run(sys.argv[1] if len(sys.argv) > 1 else None)
     if PartialState().is_main_process:
         print("RESULT " + json.dumps(result))
+    close_processes()  # what `python -m specref train` does before exit
