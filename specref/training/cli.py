@@ -28,7 +28,7 @@ def train_main(argv=None) -> int:
 
 
 def _train_main(argv=None) -> int:
-
+    """The command itself: parse the arguments, run the chosen method's training."""
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
     ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator"),
                     default="draft",
