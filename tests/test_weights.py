@@ -1,4 +1,6 @@
 """Trained proposer files (specref/weights): round trip, format and mismatch errors, fingerprints."""
+import json
+
 import pytest
 import torch
 
@@ -129,6 +131,49 @@ def test_int4_storage_round_trip(tmp_path):
             compact(p, tmp_path / "x.safetensors", bits=bits)
     with pytest.raises(ValueError, match="group"):
         to_int4(tensors, group=3)
+
+
+def test_int4_for_named_matrices_only(tmp_path):
+    """compact(int4=NAMES) stores the named matrices as int4 and every other matrix as int8 rows
+    (storage int8+int4, the names in the metadata); from an int8 file the other matrices keep their
+    int8 bytes; a name that is not a groupable 2-D matrix, bits=4 with names, or a second compact
+    is a ValueError."""
+    from safetensors.torch import load_file
+
+    from specref.weights import SCALE, SCALE4, compact, read_weights
+
+    g = torch.Generator().manual_seed(1)
+    w, v, odd = torch.randn(32, 128, generator=g), torch.randn(16, 64, generator=g), torch.randn(8, 96, generator=g)
+    tensors = {"w": w.half(), "v": v.half(), "odd": odd.half(), "b": torch.randn(5, generator=g).half()}
+    p16, p8, pm, pm8 = (tmp_path / f"{x}.safetensors" for x in ("h16", "h8", "mix", "mix8"))
+    for p in (p16, p8):
+        save_weights(p, tensors, {"format": "specref-test-1"})
+    compact(p8)
+    compact(p16, pm, int4=["w"])
+    compact(p8, pm8, int4=["w"])
+    raw, raw8, raw_m8 = load_file(str(pm)), load_file(str(p8)), load_file(str(pm8))
+    assert raw["w"].dtype == torch.uint8 and raw["w" + SCALE4].shape == (32, 2) and "w" + SCALE not in raw
+    assert raw["v"].dtype == torch.int8 and raw["odd"].dtype == torch.int8 and raw["v" + SCALE].shape == (16,)
+    for n in ("v", "v" + SCALE, "odd", "odd" + SCALE):  # from int8: the other matrices' bytes unchanged
+        assert torch.equal(raw_m8[n], raw8[n])
+    meta = read_weights(pm)[1]
+    assert meta["storage"] == "int8+int4" and json.loads(meta["int4_tensors"]) == ["w"] and meta["int4_group"] == "64"
+    assert pm.stat().st_size < p8.stat().st_size
+    dst = {"w": torch.zeros(32, 128), "v": torch.zeros(16, 64), "odd": torch.zeros(8, 96), "b": torch.zeros(5)}
+    load_tensors(pm, dst, "test head")
+    w16 = w.half().float()
+    step4 = (w16.reshape(32, 2, 64).abs().amax(-1) / 7).repeat_interleave(64, dim=1)  # (32, 128)
+    assert ((dst["w"] - w16).abs() <= 0.51 * step4 + 1e-3 * w16.abs()).all()
+    v16 = v.half().float()
+    err_v = (dst["v"] - v16).abs()
+    assert (err_v <= 0.51 * v16.abs().amax(1, keepdim=True) / 127 + 1e-3).all() and err_v.max() > 0
+    for kwargs, msg in (({"int4": ["odd"]}, "groups of 64"), ({"int4": ["b"]}, "2-D matrix"),
+                        ({"int4": ["nope"]}, "nope"), ({"int4": []}, "non-empty"),
+                        ({"int4": ["w"], "bits": 4}, "bits=8")):
+        with pytest.raises(ValueError, match=msg):
+            compact(p16, tmp_path / "x.safetensors", **kwargs)
+    with pytest.raises(ValueError, match="already int8\\+int4"):
+        compact(pm, tmp_path / "y.safetensors", int4=["v"])
 
 
 def test_xz_files_read_as_the_plain_ones(tmp_path):

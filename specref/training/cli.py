@@ -39,6 +39,10 @@ def _train_main(argv=None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled steps of the training-time test "
                     "(1: teacher forcing only)")
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
+    ap.add_argument("--mtp-lambda", type=float, default=1.0, help="mtp: lambda, the weight of the modules' "
+                    "soft cross-entropy")
+    ap.add_argument("--mtp-w-reg", type=float, default=0.0, help="mtp: weight of EAGLE's feature regression at "
+                    "every depth (0: DeepSeek-V3's cross-entropy only; --mtp-lambda 0.1 --mtp-w-reg 1 is EAGLE's ratio)")
     ap.add_argument("--mlp-stages", type=int, default=3, help="mlp_speculator: n_predict stages")
     ap.add_argument("--mlp-inner-dim", type=int, default=0, help="mlp_speculator: inner_dim (0: the target's "
                     "hidden size, the target's embedding shared)")
@@ -129,9 +133,9 @@ def _train_main(argv=None) -> int:
     if a.method == "mlp_speculator":
         return _mlp_speculator(a, train_cfg)
     if a.method == "mtp" and a.data:  # a self-distilled data folder, as EAGLE's command
-        from .mtp import MTPTrainConfig, run_mtp_command
+        from .mtp import run_mtp_command
 
-        return run_mtp_command(data_cfg, train_cfg, MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab),
+        return run_mtp_command(data_cfg, train_cfg, _mtp_config(a),
                                out=a.out, data=a.data, device=a.device, export=a.export)
     if a.method == "mtp":
         return _mtp(a, train_cfg)
@@ -232,11 +236,18 @@ def _eagle3(a, train_cfg: TrainConfig) -> int:
     return 0
 
 
+def _mtp_config(a):
+    """The MTP settings of the command line."""
+    from .mtp import MTPTrainConfig
+
+    return MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab, lam=a.mtp_lambda, w_reg=a.mtp_w_reg)
+
+
 def _mtp(a, train_cfg: TrainConfig) -> int:
     """MTP modules of the default model on the feature store; saved to the run folder and --export."""
-    from .mtp import MTPTrainConfig, run_mtp_training
+    from .mtp import run_mtp_training
 
-    cfg = MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab)
+    cfg = _mtp_config(a)
     target, train, held, out, rec = _from_store(a, "mtp", cfg.heldout_fraction)
     run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec,
                      init=a.init)

@@ -15,6 +15,14 @@ before it were right) and accept_d (sum_x min(p, q) over p's stored top-k); top1
 1's (what the bench reads as alpha); loss is the training objective.
 Left out: the main model's next-token loss and lambda's schedule (0.3 then 0.1 in the report; with
 a frozen target lambda only scales the gradient), feature noise (the report adds none).
+
+Beyond the report (off by default): `w_reg` > 0 adds EAGLE's feature regression (Li et al. 2024,
+Sec. 3.2; training/eagle.py) to every depth: module d's normed output at position i, what the
+shared LM head reads, is asked for the target's own final normed state at position i + d (the one
+whose LM head gives p of the same token x_{i+d+1}): w_reg * mean_d SmoothL1 over RMS-normalised
+states. In DeepSeek-V3 the main model trains beside the modules; on a frozen target this gives
+each module the target's next state as a dense target, as EAGLE's head gets (EAGLE's ablation of
+the loss weights: docs/training.md, lever ii). lam = 0.1 with w_reg = 1.0 is EAGLE's ratio.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..mtp import MTPStack, save_mtp
 from ..target import additive_mask
@@ -41,6 +50,7 @@ class MTPTrainConfig:
     num_modules: int = 1  # D, sequential modules (DeepSeek-V3 ships 1)
     draft_vocab: int = 8192  # Vd: most frequent tokens of the training responses (>= V: all)
     lam: float = 1.0  # lambda, the weight of L_MTP (the report: 0.3, then 0.1, beside the main loss)
+    w_reg: float = 0.0  # weight of EAGLE's feature regression at every depth (0: the report's CE only)
     heldout_fraction: float = 0.05  # sequences held out (the one-command run only)
 
     def __post_init__(self) -> None:
@@ -48,8 +58,10 @@ class MTPTrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
-        if not (isinstance(self.lam, (int, float)) and self.lam > 0):
+        if isinstance(self.lam, bool) or not (isinstance(self.lam, (int, float)) and self.lam > 0):
             raise ValueError(f"lam must be a number > 0, got {self.lam!r}")
+        if isinstance(self.w_reg, bool) or not (isinstance(self.w_reg, (int, float)) and self.w_reg >= 0):
+            raise ValueError(f"w_reg must be a number >= 0, got {self.w_reg!r}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
 
@@ -93,12 +105,26 @@ class MTPTask:
         dr = self.inv[ids]  # (N, K) draft ids, -1 outside the draft vocabulary
         return logq, ids, p, logq.gather(1, dr.clamp(min=0)), dr >= 0
 
+    def _reg(self, d: int, h: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+        """Depth d's feature regression: its normed output at i (B, T-d, D) against the target's
+        h^0_{i+d}, both over the target states' RMS, at real positions; Smooth-L1 (mean, or sum / D)."""
+        f = batch.features.float()  # (B, T, D) h^0
+        real = batch.attention[:, d:]  # (B, T-d) positions i + d that hold a real token
+        rms = f[batch.attention].pow(2).mean().sqrt().clamp(min=1e-6)  # ()
+        out = self.module.layers[d - 1].norm(h).float()  # (B, T-d, D) what the LM head reads
+        if reduction == "mean":
+            return F.smooth_l1_loss(out[real] / rms, f[:, d:][real] / rms)
+        return F.smooth_l1_loss(out[real] / rms, f[:, d:][real] / rms, reduction="sum") / f.shape[-1]
+
     def loss(self, batch: Batch) -> torch.Tensor:
-        terms = []
+        terms, regs = [], []
         for d, h in enumerate(self._depths(batch), start=1):
             _, _, p, lq, valid = self._soft(d, h, batch, batch.loss_mask[:, d:])
             terms.append(-(p * lq * valid).sum(1).mean() if p.numel() else h.sum() * 0)
-        return self.config.lam * torch.stack(terms).mean()
+            if self.config.w_reg > 0:
+                regs.append(self._reg(d, h, batch))
+        loss = self.config.lam * torch.stack(terms).mean()
+        return loss + self.config.w_reg * torch.stack(regs).mean() if regs else loss
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> Dict[str, float]:
@@ -114,6 +140,10 @@ class MTPTask:
             res[f"top1_{d}"] = float((self.module.token_map[logq.argmax(1)] == ids[:, 0]).sum())
             res[f"accept_{d}"] = float((torch.minimum(p, lq.exp()) * valid).sum())
             res["loss"] += self.config.lam * float(ce.sum()) / D
+            if self.config.w_reg > 0:  # per label position, as loss's mean over real positions
+                n_real = max(float(batch.attention[:, d:].sum()), 1.0)
+                res[f"reg_{d}"] = float(self._reg(d, h, batch, "sum")) * float(ids.shape[0]) / n_real
+                res["loss"] += self.config.w_reg * res[f"reg_{d}"] / D
         res["top1"], res["accept"] = res["top1_1"], res["accept_1"]
         return res
 

@@ -16,8 +16,11 @@ floating matrix whose columns split into groups of GROUP as 4-bit integers q in 
 byte (column 2j in the low nibble, 2j+1 in the high one, each stored as q + 8), with one fp16
 scale per group of a row (s = max|W| / 7 over the group; `NAME.int4_scale`, (R, C / GROUP));
 other 2-D matrices as int8 rows. It halves the files again but costs the EAGLE heads, Medusa, MTP
-and the draft 0.013-0.036 of agreement (docs/training.md, "int4 weight storage"), so no committed
-file uses it. A file whose name ends in `.xz` is the same safetensors
+and the draft 0.013-0.036 of agreement (docs/training.md, "int4 weight storage"), so none of their
+files is int4 throughout; the MLP speculator's is (it lost 0.002). `compact(..., int4=NAMES)` stores
+only the named matrices as int4 and the rest as int8 rows (storage `int8+int4`): the draft's file
+holds its two MLPs so (0.002 of agreement for 2.4 MB; its LM head as int4 would cost 0.008 more).
+A file whose name ends in `.xz` is the same safetensors
 bytes xz-compressed (Python's lzma; written so by save_weights, read transparently): on int8 rows
 it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file: its
 train command, then `python -m specref.weights compact FILE --out specref/weights/NAME.safetensors.xz`.
@@ -195,22 +198,51 @@ def dequantise(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def compact(path, out=None, bits: int = 8, group: int = GROUP) -> dict:
+def compact(path, out=None, bits: int = 8, group: int = GROUP, int4: Optional[Sequence[str]] = None) -> dict:
     """Rewrite a trained proposer's file in int8 (or int4, bits=4, one scale per `group` columns)
     storage, metadata kept and `storage` added, at `out` (default: in place; a name ending in `.xz`
     is written xz-compressed). An int8 file may be compacted to int4 (dequantised first: its
-    rounding, at most half an int8 step, is added); nothing is re-quantised to the same or more bits."""
+    rounding, at most half an int8 step, is added); nothing is re-quantised to the same or more bits.
+
+    `int4` (with bits=8): the names of the matrices to store as int4, the rest as int8 rows (storage
+    `int8+int4`, the names in the metadata's `int4_tensors`): int4 where the bytes are and it costs
+    little, e.g. a reduced-vocabulary LM head. From an int8 file the other matrices keep their int8
+    values as they are; ValueError for a name that is not a 2-D matrix of the file whose columns
+    split into groups of `group`."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     out = path if out is None else out
     tensors, meta = read_weights(path)
     storage = meta.get("storage")
-    if storage == "int8" and bits == 8 or storage == "int4":
+    if storage == "int8" and bits == 8 and int4 is None or storage in ("int4", "int8+int4"):
         raise ValueError(f"{path} is already {storage}")
+    if int4 is not None:
+        return _compact_some_int4(path, out, tensors, meta, bits, group, int4)
     if bits == 4:
         save_weights(out, to_int4(dequantise(tensors), group), {**meta, "storage": "int4", "int4_group": str(group)})
     else:
         save_weights(out, to_int8(tensors), {**meta, "storage": "int8"})
+    return {"path": str(out), "bytes": Path(out).stat().st_size}
+
+
+def _compact_some_int4(path, out, tensors, meta, bits, group, int4) -> dict:
+    """compact(..., int4=NAMES): the named matrices as int4, every other matrix as int8 rows."""
+    names = [int4] if isinstance(int4, str) else list(int4)
+    if bits != 8 or not names:
+        raise ValueError(f"int4 takes a non-empty list of matrix names, with bits=8 (got bits={bits!r}, int4={int4!r})")
+    for n in names:
+        w = tensors.get(n)
+        matrix = w is not None and w.dim() == 2 and (w.is_floating_point() or n + SCALE in tensors)
+        if not matrix or w.shape[1] % group:
+            raise ValueError(f"{path}: {n!r} is not a 2-D matrix of the file whose columns split into "
+                             f"groups of {group} (shape {None if w is None else tuple(w.shape)})")
+    picked = {n: tensors[n] for n in names}
+    picked.update({n + SCALE: tensors[n + SCALE] for n in names if n + SCALE in tensors})
+    rest = {n: w for n, w in tensors.items() if n not in picked}
+    rest = rest if meta.get("storage") == "int8" else to_int8(rest)
+    mixed = {**rest, **to_int4(dequantise(picked), group)}
+    save_weights(out, mixed, {**meta, "storage": "int8+int4", "int4_group": str(group),
+                              "int4_tensors": json.dumps(sorted(names))})
     return {"path": str(out), "bytes": Path(out).stat().st_size}
 
 

@@ -196,6 +196,14 @@ def test_levers_reach_their_settings(monkeypatch, tmp_path):
     cli.train_main(["--method", "eagle3", "--store", "S", "--ttt-steps", "7", "--train-tokens", "5000000"])
     assert seen["cfg"].ttt_steps == 7 and seen["train"].tokens == 5_000_000 and seen["name"] == "eagle3_ttt7"
     assert not seen["stream"] and seen["init"] is None
+    from specref.training import mtp as mtp_training
+
+    monkeypatch.setattr(mtp_training, "run_mtp_training",
+                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
+    cli.train_main(["--method", "mtp", "--store", "S", "--mtp-modules", "2", "--mtp-lambda", "0.1", "--mtp-w-reg", "1"])
+    assert (seen["cfg"].num_modules, seen["cfg"].lam, seen["cfg"].w_reg) == (2, 0.1, 1.0)
+    cli.train_main(["--method", "mtp", "--store", "S"])
+    assert (seen["cfg"].lam, seen["cfg"].w_reg) == (1.0, 0.0)  # the report's objective by default
 
     class Stop(Exception):
         pass
@@ -237,3 +245,36 @@ def test_loss_levers_take_effect(store):
     b3 = collate(e3[:8], 48)
     l3, l7 = (float(Eagle3Task(h3, Eagle3TrainConfig(draft_vocab=V, ttt_steps=n)).loss(b3).detach()) for n in (3, 7))
     assert l3 != pytest.approx(l7, rel=1e-4)
+
+
+def test_mtp_feature_regression(store):
+    """MTP's optional feature regression: loss = lam * mean_d CE_d + w_reg * mean_d reg_d, and depth
+    d's regression target at position i is the target's own state at i + d (zero when the module's
+    normed output is that state; not zero one position off)."""
+    from specref.mtp import MTPStack
+    from specref.training.draft import build_token_map
+    from specref.training.mtp import MTPTask, MTPTrainConfig
+
+    target = _target()
+    train, _ = store_split(store, heldout_fraction=0.2)
+    batch = collate(train[:8], 48)
+    stack = MTPStack(target, build_token_map(train, V, V), num_modules=2, seed=0)
+
+    def loss(**w):
+        return float(MTPTask(stack, MTPTrainConfig(num_modules=2, draft_vocab=V, **w)).loss(batch).detach())
+
+    ce = loss()
+    reg = loss(w_reg=1.0) - ce
+    assert reg > 0 and loss(lam=0.1, w_reg=1.0) == pytest.approx(0.1 * ce + reg, rel=1e-5)
+    assert loss(lam=0.1, w_reg=2.0) == pytest.approx(0.1 * ce + 2 * reg, rel=1e-5)
+    task = MTPTask(stack, MTPTrainConfig(num_modules=2, draft_vocab=V, w_reg=1.0))
+    f = batch.features.float()  # (B, T, D)
+    for layer in stack.layers:
+        layer.norm = torch.nn.Identity()  # the module's normed output is what it is given
+    for d in (1, 2):
+        assert float(task._reg(d, f[:, d:], batch)) == 0.0
+        assert float(task._reg(d, f[:, d - 1:-1], batch)) > 0.01
+    with pytest.raises(ValueError, match="w_reg"):
+        MTPTrainConfig(w_reg=-1.0)
+    with pytest.raises(ValueError, match="lam"):
+        MTPTrainConfig(lam=True)
