@@ -206,7 +206,7 @@ def compact(path, out=None, bits: int = 8, group: int = GROUP, int4: Optional[Se
 
     `int4` (with bits=8): the names of the matrices to store as int4, the rest as int8 rows (storage
     `int8+int4`, the names in the metadata's `int4_tensors`): int4 where the bytes are and it costs
-    little, e.g. a reduced-vocabulary LM head. From an int8 file the other matrices keep their int8
+    little, e.g. a model's MLPs (an LM head's logits lose more). From an int8 file the other matrices keep their int8
     values as they are; ValueError for a name that is not a 2-D matrix of the file whose columns
     split into groups of `group`."""
     if bits not in (8, 4):
