@@ -105,16 +105,14 @@ class MTPTask:
         dr = self.inv[ids]  # (N, K) draft ids, -1 outside the draft vocabulary
         return logq, ids, p, logq.gather(1, dr.clamp(min=0)), dr >= 0
 
-    def _reg(self, d: int, h: torch.Tensor, batch: Batch, reduction: str = "mean") -> torch.Tensor:
+    def _reg(self, d: int, h: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Depth d's feature regression: its normed output at i (B, T-d, D) against the target's
-        h^0_{i+d}, both over the target states' RMS, at real positions; Smooth-L1 (mean, or sum / D)."""
+        h^0_{i+d}, both over the target states' RMS, at real positions; Smooth-L1, mean."""
         f = batch.features.float()  # (B, T, D) h^0
         real = batch.attention[:, d:]  # (B, T-d) positions i + d that hold a real token
         rms = f[batch.attention].pow(2).mean().sqrt().clamp(min=1e-6)  # ()
         out = self.module.layers[d - 1].norm(h).float()  # (B, T-d, D) what the LM head reads
-        if reduction == "mean":
-            return F.smooth_l1_loss(out[real] / rms, f[:, d:][real] / rms)
-        return F.smooth_l1_loss(out[real] / rms, f[:, d:][real] / rms, reduction="sum") / f.shape[-1]
+        return F.smooth_l1_loss(out[real] / rms, f[:, d:][real] / rms)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         terms, regs = [], []
@@ -140,9 +138,8 @@ class MTPTask:
             res[f"top1_{d}"] = float((self.module.token_map[logq.argmax(1)] == ids[:, 0]).sum())
             res[f"accept_{d}"] = float((torch.minimum(p, lq.exp()) * valid).sum())
             res["loss"] += self.config.lam * float(ce.sum()) / D
-            if self.config.w_reg > 0:  # per label position, as loss's mean over real positions
-                n_real = max(float(batch.attention[:, d:].sum()), 1.0)
-                res[f"reg_{d}"] = float(self._reg(d, h, batch, "sum")) * float(ids.shape[0]) / n_real
+            if self.config.w_reg > 0:  # a sum over label positions of the batch's mean, as loss's terms
+                res[f"reg_{d}"] = float(self._reg(d, h, batch)) * float(ids.shape[0])
                 res["loss"] += self.config.w_reg * res[f"reg_{d}"] / D
         res["top1"], res["accept"] = res["top1_1"], res["accept_1"]
         return res
