@@ -50,3 +50,14 @@ def test_the_patterns_themselves():
     assert not MACHINE.search('"model": "SmolLM2-135M-Instruct-3403c89dd44dfe2a"')
     assert not MACHINE.search("<specref cache>/store and /usr/share/doc/python3.11 and a/tmp/b")
     assert OUTSIDE.search('Path(__file__).parents[3] / "shared" / "data"') and not OUTSIDE.search("parents[1]")
+
+
+def test_no_committed_weight_file_names_a_machine_path():
+    """The metadata of every committed weight file (its training record: the stores it read, the
+    files it started from) is inside the file, xz-compressed, where the text scan above cannot see it."""
+    from specref.weights import read_weights
+
+    files = _tracked("specref/weights/*.safetensors*")
+    assert files
+    bad = [f"{p.name}: {m.group(0)}" for p in files for m in [MACHINE.search(str(read_weights(p, names=())[1]))] if m]
+    assert not bad, "machine paths in the metadata of committed weight files:\n" + "\n".join(bad)

@@ -171,7 +171,7 @@ def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
     train, held = split(stores, layers=layers, heldout_fraction=heldout_fraction, seed=a.seed)
     out = Path(a.out) if a.out else cache_root() / "train" / f"{name}_seed{a.seed}"
     out.mkdir(parents=True, exist_ok=True)
-    rec = {"store": [str(x) for x in stores],
+    rec = {"store": [x.name for x in stores],  # the folders by name: a record names no machine path
            "manifest": [{k: m.get(k) for k in ("model_fingerprint", "settings", "sources")} for m in mans],
            "train_tokens": sum(sequence_lengths(train, 1 << 62)), "heldout_tokens": sum(sequence_lengths(held, 1 << 62)),
            "streamed": split is streamed_split}

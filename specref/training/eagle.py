@@ -203,7 +203,7 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     if init is not None:
         from ..eagle_head import eagle_info, load_eagle
 
-        init_record = {"path": str(init), **{k: v for k, v in eagle_info(init)["record"].items()
+        init_record = {"path": Path(str(init)).name, **{k: v for k, v in eagle_info(init)["record"].items()
                                              if k in ("heldout", "train", "data", "init")}}
         head = load_eagle(target, init)  # fit() puts it in training mode
     else:

@@ -18,6 +18,7 @@ Left out: the paper's phase-1 training on the corpus's own next tokens (never th
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -129,7 +130,7 @@ def run_mlp_speculator_training(target: torch.nn.Module, train: Sequence[Seq], h
     if init is not None:
         from ..mlp_speculator import load_mlp_speculator, mlp_speculator_info
 
-        rec["init"] = {"path": str(init), **{k: v for k, v in mlp_speculator_info(init)["record"].items()
+        rec["init"] = {"path": Path(str(init)).name, **{k: v for k, v in mlp_speculator_info(init)["record"].items()
                                              if k in ("heldout", "train", "data", "init")}}
         spec = load_mlp_speculator(target, init)  # fit() puts it in training mode
     else:
