@@ -16,6 +16,20 @@ f with Smooth-L1 and adds w_cls times the cross-entropy of q against the target'
 stored top-k of p, soft cross-entropy); inputs get uniform noise U(-eps, eps) (Sec. 3.2's data
 augmentation against the error accumulation of drafting on predicted features).
 
+`extra_layers` (our option; the paper's head has one layer, EAGLE's code takes the count from its
+config): more decoder layers after the first, each starting as the identity (its attention output
+and MLP down projections zero), so a head continued from a one-layer file starts as that head. With
+one layer a key at pair j holds (f_j, x_{j+1}), never x_j itself, so matching the query's token
+against an earlier occurrence of it (copying from the prompt) has to read x_j out of f_j; a second
+layer can first move each token to its successor's slot (the two-layer induction circuit).
+`current_token` (our option) gives one layer that token directly, a third FC input:
+
+    g_t = FC([Norm(e(x_{t+1})); Norm(f_t); Norm(e(x_t))])  (3D -> D)
+
+x_t is the token the target read at position t (a drafted pair's: the token drafted before it), the
+state EAGLE-3's low-layer feature carries; its FC columns start at zero, so a head continued from a
+two-input file starts as that head.
+
 Drafting (Sec. 3.1, chain): the head's own KV cache holds the pairs with TRUE features; a step
 first feeds the pairs that verification just made true (catch-up), then k-1 pairs of its own
 predicted features and drafted tokens; after verification those speculative slots are dropped
@@ -46,26 +60,35 @@ from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import Target, additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
-from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
+from .weights import (FOLDER, load_tensors, load_token_map, read_weights, save_trained, warn_if_other_target,
+                      weights_info)
 
 FORMAT = "specref-eagle-1"
 WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors.xz"
 
 
 class EagleHead(torch.nn.Module):
-    """FC + one decoder layer (a copy of the target's last) + norm; the frozen reduced LM head.
+    """FC + one decoder layer (a copy of the target's last; `extra_layers` more) + norm; the frozen
+    reduced LM head.
 
     The target's input embedding and rotary embedding are used by reference (not parameters here)."""
 
-    def __init__(self, target: torch.nn.Module, token_map: torch.Tensor, seed: int = 0):
+    def __init__(self, target: torch.nn.Module, token_map: torch.Tensor, seed: int = 0, extra_layers: int = 0,
+                 current_token: bool = False):
         """token_map (Vd,): target ids of the draft vocabulary; seed: the FC's initialisation (all
-        other weights start as copies of the target's)."""
+        other weights start as copies of the target's); extra_layers: decoder layers after the first,
+        each the identity at initialisation (o_proj and down_proj zero); current_token: the FC also
+        reads Norm(e(x_t)), its columns zero at initialisation."""
         super().__init__()
         inner = getattr(target, "model", None)
         layers = getattr(inner, "layers", None)
         if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
             raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
                              "model.norm, model.rotary_emb); EAGLE needs one")
+        if not isinstance(extra_layers, int) or isinstance(extra_layers, bool) or extra_layers < 0:
+            raise ValueError(f"extra_layers must be an int >= 0, got {extra_layers!r}")
+        if not isinstance(current_token, bool):
+            raise ValueError(f"current_token must be a bool, got {current_token!r}")
         token_map = torch.as_tensor(token_map, dtype=torch.long)
         V, D = target.get_output_embeddings().weight.shape
         if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
@@ -77,35 +100,59 @@ class EagleHead(torch.nn.Module):
         self.norm_e, self.norm_f = copy.deepcopy(inner.norm), copy.deepcopy(inner.norm)
         for n in (self.norm_e, self.norm_f):
             torch.nn.init.ones_(n.weight)
-        self.fc = torch.nn.Linear(2 * D, D, bias=True)
+        self.current_token = current_token
+        self.norm_c = copy.deepcopy(inner.norm) if current_token else None
+        if current_token:
+            torch.nn.init.ones_(self.norm_c.weight)
+        self.fc = torch.nn.Linear((3 if current_token else 2) * D, D, bias=True)
         g, bound = torch.Generator().manual_seed(seed), (2 * D) ** -0.5  # nn.Linear's default init range
         with torch.no_grad():
-            self.fc.weight.uniform_(-bound, bound, generator=g)
+            self.fc.weight[:, : 2 * D].uniform_(-bound, bound, generator=g)
+            if current_token:
+                self.fc.weight[:, 2 * D:].zero_()  # e(x_t)'s columns start at zero
             self.fc.bias.uniform_(-bound, bound, generator=g)
         self.fc.to(device=p.device, dtype=p.dtype)
         self.layer = copy.deepcopy(layers[-1])
-        self.layer.self_attn.layer_idx = 0  # the head's cache has one layer
+        self.layer.self_attn.layer_idx = 0  # the head's cache has one layer per decoder layer
+        self.extra = torch.nn.ModuleList()
+        for i in range(extra_layers):
+            m = copy.deepcopy(layers[-1])
+            m.self_attn.layer_idx = i + 1
+            with torch.no_grad():  # the residual branches start at 0: the layer is the identity
+                m.self_attn.o_proj.weight.zero_()
+                m.mlp.down_proj.weight.zero_()
+            self.extra.append(m)
+        self.num_layers = 1 + extra_layers
         self.norm = copy.deepcopy(inner.norm)
         head = target.get_output_embeddings().weight.detach()  # (V, D)
         self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=p.device, dtype=p.dtype)
         with torch.no_grad():
             self.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
-        for m in (self.layer, self.norm, self.norm_e, self.norm_f):
-            m.requires_grad_(True)  # copies of a (usually frozen) target's modules: trained here
+        for m in (self.layer, self.extra, self.norm, self.norm_e, self.norm_f, self.norm_c):
+            if m is not None:
+                m.requires_grad_(True)  # copies of a (usually frozen) target's modules: trained here
         self.lm_head.weight.requires_grad_(False)
         self.register_buffer("token_map", token_map.to(p.device), persistent=False)  # (Vd,)
         self._shared = (inner.embed_tokens, inner.rotary_emb)  # not submodules: never trained or saved
 
     def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                mask: Optional[torch.Tensor], cache=None) -> torch.Tensor:
+                mask: Optional[torch.Tensor], cache=None, cur_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """feats (B, Q, D) f_t, next_tokens (B, Q) x_{t+1}, positions (B, Q), mask (B, 1, Q, S)
-        additive or None -> predicted features f^_{t+1} (B, Q, D)."""
+        additive or None, cur_tokens (B, Q) x_t (a current_token head's; ignored otherwise) ->
+        predicted features f^_{t+1} (B, Q, D)."""
         embed, rotary = self._shared
         e = embed(next_tokens.clamp(min=0)).to(feats.dtype)  # (B, Q, D)
-        g = self.fc(torch.cat([self.norm_e(e), self.norm_f(feats)], dim=-1))  # (B, Q, D)
+        parts = [self.norm_e(e), self.norm_f(feats)]
+        if self.current_token:
+            if cur_tokens is None or cur_tokens.shape != next_tokens.shape:
+                raise ValueError("a current_token head needs cur_tokens (B, Q), the tokens x_t of its pairs")
+            parts.append(self.norm_c(embed(cur_tokens.clamp(min=0)).to(feats.dtype)))  # (B, Q, D)
+        g = self.fc(torch.cat(parts, dim=-1))  # (B, Q, D)
         pe = rotary(g, position_ids=positions)  # (cos, sin), each (B, Q, head_dim)
-        h = self.layer(g, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
-                       position_embeddings=pe)  # (B, Q, D)
+        h = g
+        for layer in (self.layer, *self.extra):
+            h = layer(h, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
+                      position_embeddings=pe)  # (B, Q, D)
         return self.norm(h)  # (B, Q, D)
 
     hidden_layers = (-1,)  # the target's states the head reads: its final normed state
@@ -189,7 +236,7 @@ class EagleProposer:
         dev = ctx.tokens.device
         # 2T slots: a row outside ctx.active for some steps catches up later in one block, written
         # at every row's next slots; only that block's padding columns get positions past the context
-        self.cache = SpecCache(1, B, 2 * T + self._spec_slots() + 2, dev)
+        self.cache = SpecCache(self.head.num_layers, B, 2 * T + self._spec_slots() + 2, dev)
         self.feat = torch.zeros(B, T, self.head.hidden_size, device=dev, dtype=self.head.fc.weight.dtype)  # (B, T, D)
         self._store(ctx)
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
@@ -200,15 +247,21 @@ class EagleProposer:
         """Head-cache slots one step's drafting writes after the true pairs (a chain: k)."""
         return self.k
 
-    def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
-        """Feed pairs (B, Q) at the cache's next slots (position = slot). -> f^ (B, Q, D)"""
+    def _cur(self, cur: torch.Tensor) -> dict:
+        """The head's keyword for the pairs' current tokens x_t (B, Q): only a current_token head reads them."""
+        return {"cur_tokens": cur} if getattr(self.head, "current_token", False) else {}
+
+    def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (B, Q) at the cache's next slots (position = slot); cur (B, Q) their tokens x_t.
+        -> f^ (B, Q, D)"""
         Q = x_in.shape[1]
         slots = self.cache.begin_block(Q)  # (B, Q)
         S = int(slots.max()) + 1
         ar = torch.arange(S, device=slots.device)  # (S,)
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S) committed pairs + causal block
         with attending(self.cache, S):
-            return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache)
+            return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache,
+                             **self._cur(cur))
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
@@ -216,6 +269,11 @@ class EagleProposer:
             raise ValueError("EagleProposer.propose() called before begin()")
         with self.packed.active() if self.packed is not None else contextlib.nullcontext():
             return self._propose(ctx, sampling, generator)
+
+    @staticmethod
+    def pending(ctx: Context) -> torch.Tensor:
+        """(B,) each row's last token, the one whose feature the catch-up predicts."""
+        return ctx.tokens.gather(1, (ctx.lengths - 1).clamp(min=0).view(-1, 1))[:, 0]
 
     def _catch_up(self, ctx: Context) -> torch.Tensor:
         """1. catch up: feed the pairs (f_t, x_{t+1}) for t = base .. L-2, all with the target's
@@ -225,7 +283,7 @@ class EagleProposer:
         W = max(int(todo.max()), 1)
         t = (self.base.view(B, 1) + torch.arange(W, device=dev)).clamp(max=ctx.tokens.shape[1] - 2)  # (B, W)
         f_in = self.feat.gather(1, t.unsqueeze(-1).expand(B, W, self.feat.shape[-1]))  # (B, W, D)
-        f_hat = self._forward(f_in, ctx.tokens.gather(1, t + 1))  # (B, W, D)
+        f_hat = self._forward(f_in, ctx.tokens.gather(1, t + 1), ctx.tokens.gather(1, t))  # (B, W, D)
         self.cache.commit(todo)
         self.base = self.base + todo
         return f_hat[torch.arange(B, device=dev), (todo - 1).clamp(min=0)]  # (B, D)
@@ -242,6 +300,7 @@ class EagleProposer:
         last = self._catch_up(ctx)  # (B, D)
         # 2. draft k tokens, feeding the head its own features after the first
         tokens, qs = [], []
+        prev = self.pending(ctx)  # (B,) x_t of the next pair: the pending token, then each draft
         for i in range(k):
             logits = self.head.logits(last).float()  # (B, Vd)
             if sampling.greedy or self.config.greedy_draft:
@@ -253,7 +312,8 @@ class EagleProposer:
             x = self.head.token_map[x]  # (B,) target ids
             tokens.append(x)
             if i + 1 < k:
-                last = self._forward(last.unsqueeze(1), x.view(B, 1))[:, 0]  # (B, D)
+                last = self._forward(last.unsqueeze(1), x.view(B, 1), prev.view(B, 1))[:, 0]  # (B, D)
+                prev = x
                 self.cache.commit(ctx.active.long())
         toks = torch.stack(tokens, dim=1)  # (B, k)
         self.drafted = k_row * active  # (B,)
@@ -280,16 +340,18 @@ def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int =
     t_target = median_block_times(tgt, [1], cache_len, reps, warmup=2)[1]
     prop = EagleProposer(head)
     dev = head.fc.weight.device
-    prop.cache = SpecCache(1, 1, cache_len + 2, dev)
+    prop.cache = SpecCache(head.num_layers, 1, cache_len + 2, dev)
     D = head.hidden_size
     feats = torch.randn(1, cache_len, D, device=dev, dtype=head.fc.weight.dtype)  # (1, T, D)
-    prop._forward(feats, torch.zeros(1, cache_len, dtype=torch.long, device=dev))
+    zeros = torch.zeros(1, cache_len, dtype=torch.long, device=dev)  # (1, T)
+    prop._forward(feats, zeros, zeros)
     prop.cache.commit(torch.full((1,), cache_len, device=dev))
     times = []
     with prop.packed.active() if prop.packed is not None else contextlib.nullcontext():
         for _ in range(reps + 2):
             t0 = time.perf_counter()
-            f_hat = prop._forward(feats[:, :1], torch.zeros(1, 1, dtype=torch.long, device=dev))  # (1, 1, D)
+            zero = torch.zeros(1, 1, dtype=torch.long, device=dev)  # (1, 1)
+            f_hat = prop._forward(feats[:, :1], zero, zero)  # (1, 1, D)
             head.logits(f_hat).argmax(-1)
             device_sync(dev)
             times.append(time.perf_counter() - t0)
@@ -311,11 +373,37 @@ def eagle_info(path=WEIGHTS) -> dict:
     return weights_info(path, FORMAT, "EAGLE head", "train one with `python -m specref train --method eagle`")
 
 
-def load_eagle(target: torch.nn.Module, path=WEIGHTS) -> EagleHead:
+def extra_layers_in(path) -> int:
+    """How many decoder layers after the first a head file holds (its `extra.{i}.` tensors)."""
+    idx = {int(n.split(".")[1]) for n in read_weights(path)[0] if n.startswith("extra.")}
+    return max(idx) + 1 if idx else 0
+
+
+def load_eagle(target: torch.nn.Module, path=WEIGHTS, extra_layers: Optional[int] = None,
+               current_token: Optional[bool] = None) -> EagleHead:
     """An EagleHead for `target` with the weights of a file written by save_eagle (default: the
-    committed head of the default model)."""
+    committed head of the default model). extra_layers / current_token: None, the file's; more
+    layers than the file's add identity layers after its own, and current_token=True on a
+    two-input file adds e(x_t)'s zero FC columns (to continue training a larger head from it)."""
     meta = eagle_info(path)
     warn_if_other_target(path, meta, target)
-    head = EagleHead(target, load_token_map(path))
-    load_tensors(path, dict(head.trainable()), "EAGLE head")
+    have = extra_layers_in(path)
+    if extra_layers is not None and extra_layers < have:
+        raise ValueError(f"{path} holds {have} extra layers; cannot load it into a head with {extra_layers}")
+    names = read_weights(path)[0]
+    has_cur = "norm_c.weight" in names
+    if current_token is False and has_cur:
+        raise ValueError(f"{path} is a current_token head; cannot load it without its third input")
+    head = EagleHead(target, load_token_map(path), extra_layers=have if extra_layers is None else extra_layers,
+                     current_token=has_cur if current_token is None else current_token)
+    added = tuple(f"extra.{i}." for i in range(have, head.num_layers - 1)) + (() if has_cur else ("norm_c.",))
+    expected = {n: q for n, q in head.trainable() if not n.startswith(added)}
+    if head.current_token and not has_cur:  # the file's two-input FC into the first 2D columns
+        D = head.hidden_size
+        expected["fc.weight"] = torch.nn.Parameter(head.fc.weight.detach()[:, : 2 * D].clone())
+        load_tensors(path, expected, "EAGLE head")
+        with torch.no_grad():
+            head.fc.weight[:, : 2 * D].copy_(expected["fc.weight"])
+    else:
+        load_tensors(path, expected, "EAGLE head")
     return head.eval()

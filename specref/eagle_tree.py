@@ -82,10 +82,11 @@ class Eagle2Proposer(EagleProposer):
         return (self.tree.depth - 1) * self.tree.top_k  # one frontier block per expansion step
 
     def _forward_tree(self, f_in: torch.Tensor, x_in: torch.Tensor, positions: torch.Tensor,
-                      anc: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+                      anc: torch.Tensor, base: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
         """Feed a frontier block of pairs (B, Q) at the cache's next slots. Node j attends the true
         pairs (slots < base) and the speculative slots base + m with anc[:, j, m] (its ancestors and
-        itself). positions (B, Q); anc (B, Q, M) bool; base (B,). -> f^ (B, Q, D)"""
+        itself). positions (B, Q); anc (B, Q, M) bool; base (B,); cur (B, Q) each node's parent's
+        token (x_t of its pair). -> f^ (B, Q, D)"""
         B, Q = x_in.shape
         M = anc.shape[-1]
         slots = self.cache.begin_block(Q)  # (B, Q)
@@ -94,7 +95,8 @@ class Eagle2Proposer(EagleProposer):
         spec = (rel >= 0) & (rel < M)  # (B, 1, S) this step's speculative slots
         allowed = (rel < 0) | (spec & anc.gather(2, rel.clamp(0, M - 1).expand(B, Q, S)))  # (B, Q, S)
         with attending(self.cache, S):
-            return self.head(f_in, x_in, positions, additive_mask(allowed, f_in.dtype), cache=self.cache)
+            return self.head(f_in, x_in, positions, additive_mask(allowed, f_in.dtype), cache=self.cache,
+                             **self._cur(cur))
 
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         """The tree (EagleProposer.propose runs it: no grad, the packed linears); the same at
@@ -113,13 +115,14 @@ class Eagle2Proposer(EagleProposer):
         f_par = last.unsqueeze(1).expand(B, K1, last.shape[-1])  # (B, F, D) f^ at each node's parent
         front, n_pool = torch.arange(K1, device=dev).expand(B, K1), K1  # (B, F) pool index of the frontier
         anc = torch.zeros(B, K1, M, dtype=torch.bool, device=dev)  # (B, F, M) ancestors' slots
+        cur = self.pending(ctx).view(B, 1).expand(B, K1)  # (B, F) each frontier node's parent's token
         for level in range(1, cfg.depth):
             F = front.shape[1]
             own = torch.arange(F, device=dev) + (level - 1) * K  # (F,) the frontier's slots - base
             anc = anc.clone()
             anc[:, torch.arange(F, device=dev), own] = True
             f_hat = self._forward_tree(f_par, head.token_map[tok], (base + level - 1).view(B, 1).expand(B, F),
-                                       anc, base)  # (B, F, D)
+                                       anc, base, cur)  # (B, F, D)
             self.cache.commit(ctx.active.long() * F, validate=False)
             logq = torch.log_softmax(head.logits(f_hat).float(), -1)  # (B, F, Vd)
             s, x = logq.topk(K1, -1)  # (B, F, K1)
@@ -131,8 +134,9 @@ class Eagle2Proposer(EagleProposer):
             pool_p.append(par)
             if level + 1 < cfg.depth:  # the next frontier: the top_k children by V
                 score, pick = s.topk(min(K, F * K1), -1)  # (B, F')
-                tok = x.gather(1, pick)  # (B, F')
                 src = pick // K1  # (B, F') the frontier row each one hangs from
+                cur = head.token_map[tok.gather(1, src)]  # (B, F') their parents' tokens
+                tok = x.gather(1, pick)  # (B, F')
                 f_par = f_hat.gather(1, src.unsqueeze(-1).expand(-1, -1, f_hat.shape[-1]))  # (B, F', D)
                 anc = anc.gather(1, src.unsqueeze(-1).expand(-1, -1, M))  # (B, F', M)
                 front = pick + n_pool  # (B, F')

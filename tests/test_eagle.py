@@ -37,16 +37,17 @@ def _reference_draft(target, head, row, k):
     over every pair (f_t, x_{t+1}), then k steps each re-running the head over all pairs so far."""
     with torch.no_grad():
         f = target.model(input_ids=row[None, :-1]).last_hidden_state  # (1, L-1, D)
-        x = row[None, 1:]  # (1, L-1)
+        x, c = row[None, 1:], row[None, :-1]  # (1, L-1) each: x_{t+1} and x_t of every pair
         out = []
         for _ in range(k):
             Q = x.shape[1]
             pos = torch.arange(Q).view(1, Q)  # (1, Q)
             mask = torch.where(pos.view(1, 1, Q, 1) >= pos.view(1, 1, 1, Q), 0.0, float("-inf"))  # (1, 1, Q, Q)
-            f_hat = head(f, x, pos, mask)  # (1, Q, D)
+            f_hat = head(f, x, pos, mask, **({"cur_tokens": c} if head.current_token else {}))  # (1, Q, D)
             tok = head.token_map[head.logits(f_hat[0, -1]).argmax()]
             out.append(int(tok))
             f = torch.cat([f, f_hat[:, -1:]], dim=1)  # (1, Q+1, D)
+            c = torch.cat([c, x[:, -1:]], dim=1)  # (1, Q+1)
             x = torch.cat([x, tok.view(1, 1)], dim=1)  # (1, Q+1)
     return out
 
@@ -177,3 +178,120 @@ def test_weights_round_trip_and_errors(trained, tmp_path):
     prop = EagleProposer(head)
     with pytest.raises(ValueError, match="before begin"):
         prop.propose(None, SamplingConfig(0.0), None)
+
+
+def test_deeper_head_starts_as_the_file_and_drafts_exactly(trained, tmp_path):
+    """extra_layers: a head loaded from a one-layer file with one identity layer added computes what
+    the file's head computes; once that layer is non-zero, its cached drafting (one cache layer per
+    decoder layer) equals recomputation from scratch, greedy decoding stays the target's, and the
+    file round-trips with its depth."""
+    from specref.eagle_head import extra_layers_in
+
+    target, head, _ = trained
+    save_eagle(tmp_path / "one.safetensors", head, "fp", {"note": "test"})
+    with pytest.warns(UserWarning, match="another target"):
+        deep = load_eagle(target, tmp_path / "one.safetensors", extra_layers=1)
+    assert deep.num_layers == 2 and head.num_layers == 1
+    g = torch.Generator().manual_seed(0)
+    f, x = torch.randn(2, 6, head.hidden_size, generator=g), torch.randint(0, V, (2, 6), generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    mask = torch.where(pos.view(2, 1, 6, 1) >= pos.view(2, 1, 1, 6), 0.0, float("-inf"))
+    with torch.no_grad():
+        assert torch.allclose(deep(f, x, pos, mask), load_eagle(target, tmp_path / "one.safetensors")(f, x, pos, mask))
+        for n, p in deep.extra.named_parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+        assert not torch.allclose(deep(f, x, pos, mask), head(f, x, pos, mask), atol=1e-3)
+    prop = EagleProposer(deep, EagleConfig(k=3))
+    checked, orig = [], prop.propose
+
+    def propose(ctx, sampling, generator):
+        d = orig(ctx, sampling, generator)
+        for b in range(ctx.tokens.shape[0]):
+            if bool(ctx.active[b]):
+                assert d.tokens[b].tolist() == _reference_draft(target, deep, ctx.row(b), 3)
+                checked.append(b)
+        return d
+
+    prop.propose = propose
+    ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]])
+    mask2 = (torch.arange(7) >= torch.tensor([2, 0]).view(2, 1)).long()
+    sp = speculative_generate(target, prop, ids, mask2, max_new_tokens=12, temperature=0)
+    ar = autoregressive_generate(target, ids, mask2, max_new_tokens=12, temperature=0)
+    assert len(checked) >= 6 and torch.equal(ar.tokens, sp.tokens)
+    save_eagle(tmp_path / "two.safetensors", deep, "fp", {"note": "test"})
+    assert extra_layers_in(tmp_path / "two.safetensors") == 1
+    with pytest.warns(UserWarning, match="another target"):
+        again = load_eagle(target, tmp_path / "two.safetensors")
+    assert again.num_layers == 2
+    with pytest.raises(ValueError, match="extra layers"), pytest.warns(UserWarning, match="another target"):
+        load_eagle(target, tmp_path / "two.safetensors", extra_layers=0)
+    with pytest.raises(ValueError, match="extra_layers"):
+        EagleHead(target, head.token_map, extra_layers=-1)
+
+
+def test_current_token_head_starts_as_the_file_and_drafts_exactly(trained, tmp_path):
+    """current_token: a head loaded from a two-input file with e(x_t)'s FC columns added computes what
+    the file's head computes; once those columns are non-zero, the chain's cached drafting (x_t of
+    every pair: the committed token, then the previous draft) equals recomputation from scratch,
+    chain and EAGLE-2 tree decode greedily as the target, and the file round-trips with its input."""
+    from specref.eagle_tree import Eagle2Config, Eagle2Proposer
+
+    target, head, _ = trained
+    save_eagle(tmp_path / "two.safetensors", head, "fp", {"note": "test"})
+    with pytest.warns(UserWarning, match="another target"):
+        cur = load_eagle(target, tmp_path / "two.safetensors", current_token=True)
+    assert cur.current_token and not head.current_token and cur.fc.in_features == 3 * head.hidden_size
+    g = torch.Generator().manual_seed(1)
+    f, x = torch.randn(2, 6, head.hidden_size, generator=g), torch.randint(0, V, (2, 6), generator=g)
+    c = torch.randint(0, V, (2, 6), generator=g)
+    pos = torch.arange(6).expand(2, 6)
+    mask = torch.where(pos.view(2, 1, 6, 1) >= pos.view(2, 1, 1, 6), 0.0, float("-inf"))
+    with pytest.warns(UserWarning, match="another target"):
+        plain = load_eagle(target, tmp_path / "two.safetensors")  # the same float16-stored weights
+    with torch.no_grad():
+        assert torch.allclose(cur(f, x, pos, mask, cur_tokens=c), plain(f, x, pos, mask), atol=1e-6)
+        cur.fc.weight[:, 2 * head.hidden_size:].normal_(0, 0.3, generator=g)
+        assert not torch.allclose(cur(f, x, pos, mask, cur_tokens=c), head(f, x, pos, mask), atol=1e-3)
+    with pytest.raises(ValueError, match="cur_tokens"):
+        cur(f, x, pos, mask)
+    prop = EagleProposer(cur, EagleConfig(k=3))
+    checked, orig = [], prop.propose
+
+    def propose(ctx, sampling, generator):
+        d = orig(ctx, sampling, generator)
+        for b in range(ctx.tokens.shape[0]):
+            if bool(ctx.active[b]):
+                assert d.tokens[b].tolist() == _reference_draft(target, cur, ctx.row(b), 3)
+                checked.append(b)
+        return d
+
+    prop.propose = propose
+    ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [0, 0, 0, 0, 9, 9, 2]])
+    mask3 = (torch.arange(7) >= torch.tensor([2, 0, 4]).view(3, 1)).long()
+    ar = autoregressive_generate(target, ids, mask3, max_new_tokens=14, temperature=0)
+    sp = speculative_generate(target, prop, ids, mask3, max_new_tokens=14, temperature=0)
+    assert len(checked) >= 9 and torch.equal(ar.tokens, sp.tokens)
+    assert sp.stats.accepted_per_position[1] > 0, sp.stats
+    tree = speculative_generate(target, Eagle2Proposer(cur, Eagle2Config(top_k=2, depth=3, total_tokens=6)), ids,
+                                mask3, max_new_tokens=14, temperature=0)
+    assert torch.equal(ar.tokens, tree.tokens)
+    save_eagle(tmp_path / "three.safetensors", cur, "fp", {"note": "test"})
+    with pytest.warns(UserWarning, match="another target"):
+        again = load_eagle(target, tmp_path / "three.safetensors")
+    assert again.current_token and torch.allclose(again.fc.weight, cur.fc.weight, atol=1e-3, rtol=1e-2)
+    with pytest.raises(ValueError, match="current_token head"), pytest.warns(UserWarning, match="another target"):
+        load_eagle(target, tmp_path / "three.safetensors", current_token=False)
+    with pytest.raises(ValueError, match="current_token"):
+        EagleHead(target, head.token_map, current_token=1)
+
+
+def test_copy_positions_are_the_prompts_bigrams_per_row():
+    """training/eagle.copy_positions: a scored pair is a copy when (x_{t+1}, label) is a bigram of its
+    own row's prompt (transfer.py's copy / new split of agreement)."""
+    from specref.training.eagle import copy_positions
+
+    a = Seq(torch.tensor([5, 6, 7, 5, 8, 6, 9, 5, 8]), 5)  # pairs t = 3..6 score x_5..x_8
+    b = Seq(torch.tensor([1, 2, 3, 1, 2, 4, 5, 8]), 3)  # pairs t = 1..6 score x_3..x_7; (5, 8) is a's bigram
+    batch = collate([a, b])
+    labels = torch.cat([a.tokens[5:], b.tokens[3:]])  # greedy labels: the tokens themselves
+    assert copy_positions(batch, labels).tolist() == [False, False, False, True] + [False, True, False, False, False]

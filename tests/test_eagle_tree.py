@@ -11,12 +11,14 @@ from _features import trained_eagle
 from _stats import power_rows
 from specref import oracle
 from specref.draft_model import to_target_vocab
+from specref.eagle_head import load_eagle, save_eagle
 from specref.eagle_tree import Eagle2Config, Eagle2Proposer
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Draft
 from specref.rejection import verify_tree
 from specref.sampling import SamplingConfig
+from specref.weights import fingerprint
 
 V = 16
 
@@ -31,15 +33,16 @@ def _logq(target, head, row, path):
     from scratch: the target's features of row[:-1], then one head run over all pairs per path token
     (each drafted token paired with the head's own predicted feature before it)."""
     f = target.model(input_ids=row[None, :-1]).last_hidden_state  # (1, L-1, D)
-    x = row[None, 1:]  # (1, L-1)
+    x, c = row[None, 1:], row[None, :-1]  # (1, L-1) each: x_{t+1} and x_t of every pair
     for tok in list(path) + [None]:
         Q = x.shape[1]
         pos = torch.arange(Q).view(1, Q)  # (1, Q)
         mask = torch.where(pos.view(1, 1, Q, 1) >= pos.view(1, 1, 1, Q), 0.0, float("-inf"))  # (1, 1, Q, Q)
-        f_hat = head(f, x, pos, mask)[:, -1:]  # (1, 1, D)
+        f_hat = head(f, x, pos, mask, **({"cur_tokens": c} if head.current_token else {}))[:, -1:]  # (1, 1, D)
         if tok is None:
             return torch.log_softmax(head.logits(f_hat[0, 0]).float(), -1)  # (Vd,)
         f = torch.cat([f, f_hat], dim=1)
+        c = torch.cat([c, x[:, -1:]], dim=1)
         x = torch.cat([x, torch.tensor([[tok]])], dim=1)
 
 
@@ -74,13 +77,28 @@ def _paths(draft, b):
     return out
 
 
-@pytest.mark.parametrize("cfg", [Eagle2Config(top_k=3, depth=3, total_tokens=8, min_value=0.0),
-                                 Eagle2Config(top_k=2, depth=4, total_tokens=6, min_value=0.05)])
-def test_tree_equals_recomputation_from_scratch(trained, cfg):
+@pytest.fixture(scope="module")
+def current_head(trained, tmp_path_factory):
+    """The trained head with e(x_t) as a third input (eagle_head.py's current_token), its columns random."""
+    target, head, _ = trained
+    path = tmp_path_factory.mktemp("cur") / "head.safetensors"
+    save_eagle(path, head, fingerprint(target), {"note": "test"})
+    cur = load_eagle(target, path, current_token=True)
+    with torch.no_grad():
+        cur.fc.weight[:, 2 * head.hidden_size:].normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    return cur
+
+
+@pytest.mark.parametrize("cfg,current", [(Eagle2Config(top_k=3, depth=3, total_tokens=8, min_value=0.0), False),
+                                         (Eagle2Config(top_k=2, depth=4, total_tokens=6, min_value=0.05), False),
+                                         (Eagle2Config(top_k=3, depth=3, total_tokens=8, min_value=0.0), True)])
+def test_tree_equals_recomputation_from_scratch(trained, current_head, cfg, current):
     """Every step of a batched, ragged greedy generation: the cached, tree-masked frontier blocks give
     exactly the tree that brute-force recomputation from the committed tokens gives (catch-up,
-    the ancestors' slots, positions, frontier selection, reranking, parents kept, roll-back)."""
+    the ancestors' slots, positions, frontier selection, reranking, parents kept, roll-back; with
+    current: each node's pair reads its parent's token as x_t)."""
     target, head, _ = trained
+    head = current_head if current else head
     prop = Eagle2Proposer(head, cfg)
     checked, sizes, orig = [], set(), prop.propose
 

@@ -82,6 +82,12 @@ def _train_main(argv=None) -> int:
     ap.add_argument("--loss", choices=("kl", "ce"), default=DraftTrainConfig.loss)
     ap.add_argument("--w-cls", type=float, default=EagleTrainConfig.w_cls, help="eagle: weight of the soft CE")
     ap.add_argument("--w-reg", type=float, default=EagleTrainConfig.w_reg, help="eagle: weight of the regression")
+    ap.add_argument("--eagle-layers", type=int, default=EagleTrainConfig.layers,
+                    help="eagle: decoder layers of the head (the paper's 1); with --init, identity layers are "
+                         "added after the file's own")
+    ap.add_argument("--eagle-current-token", action="store_true",
+                    help="eagle: the head's FC also reads the current token's embedding e(x_t); with --init, "
+                         "its columns are added at zero")
     ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -143,7 +149,8 @@ def _train_main(argv=None) -> int:
         return _eagle_store(a, train_cfg)
     if a.method == "eagle":
         return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
-                                                                        w_reg=a.w_reg),
+                                                                        w_reg=a.w_reg, layers=a.eagle_layers,
+                                                                        current_token=a.eagle_current_token),
                                   out=a.out, data=a.data, device=a.device, export=a.export)
     draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
     if a.store:
@@ -214,7 +221,8 @@ def _eagle_store(a, train_cfg: TrainConfig) -> int:
     """The EAGLE-1 head of the default model on a feature store (its final-layer features)."""
     from .eagle import run_eagle_store_training
 
-    cfg = EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls, w_reg=a.w_reg)
+    cfg = EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls, w_reg=a.w_reg, layers=a.eagle_layers,
+                           current_token=a.eagle_current_token)
     target, train, held, out, rec = _from_store(a, "eagle_store", cfg.heldout_fraction)
     run_eagle_store_training(target, train, held, train_cfg, cfg, out / "eagle.safetensors", run_dir=out,
                              data_record=rec, init=a.init)

@@ -45,6 +45,9 @@ class EagleTrainConfig:
     w_reg: float = 1.0  # weight of the feature regression (Smooth-L1 on RMS-normalised features)
     w_cls: float = 0.1  # weight of the soft cross-entropy against p's stored top-k
     noise: float = 0.1  # uniform input-feature noise, as a fraction of the features' RMS
+    layers: int = 1  # decoder layers of the head (the paper's: 1); with --init, identity layers are
+    # added after the file's own up to this count
+    current_token: bool = False  # the FC also reads e(x_t) (eagle_head.py); with --init, zero columns added
     heldout_fraction: float = 0.05  # sequences held out for evaluation
 
     def __post_init__(self) -> None:
@@ -57,6 +60,10 @@ class EagleTrainConfig:
             raise ValueError("w_reg and w_cls cannot both be 0")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
+        if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers < 1:
+            raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        if not isinstance(self.current_token, bool):
+            raise ValueError(f"current_token must be a bool, got {self.current_token!r}")
 
 
 # ----------------------------------------------------------------------------- target features
@@ -133,7 +140,8 @@ class EagleTask:
         keys = batch.attention[:, 1:]  # (B, T-1) real pairs
         causal = pos.unsqueeze(2) >= pos.unsqueeze(1)  # (B, T-1, T-1)
         mask = additive_mask(causal & keys.unsqueeze(1), feats_in.dtype)  # (B, 1, T-1, T-1)
-        return self.module(feats_in, batch.tokens[:, 1:], pos, mask)  # (B, T-1, D)
+        cur = {"cur_tokens": batch.tokens[:, :-1]} if getattr(self.module, "current_token", False) else {}
+        return self.module(feats_in, batch.tokens[:, 1:], pos, mask, **cur)  # (B, T-1, D)
 
     def _parts(self, batch: Batch, noise: bool):
         if batch.features is None or batch.topk_ids is None:
@@ -181,9 +189,30 @@ class EagleTask:
         top1_2 = self.module.token_map[logq2.argmax(1)] == ids[:, 0]  # (N,)
         reg = F.smooth_l1_loss(f_hat[real] / rms, f[:, 1:][real] / rms, reduction="sum") / f.shape[-1]
         n = float(ids.shape[0])
+        copy = copy_positions(batch, ids[:, 0])  # (N,)
         return {"count": n, "top1": float(top1.sum()), "accept": float(accept.sum()),
                 "top1_step2": float(top1_2.sum()), "reg": float(reg) * n / max(float(real.sum()), 1.0),
-                "coverage": float(valid[:, 0].sum())}
+                "coverage": float(valid[:, 0].sum()), "copy_count": float(copy.sum()),
+                "copy_top1": float((top1 & copy).sum())}
+
+
+def copy_positions(batch: Batch, labels: torch.Tensor) -> torch.Tensor:
+    """(N,) bool over the pairs EagleTask scores (batch.loss_mask[:, 1:], row-major): the target's
+    next token continues a bigram of the row's prompt, i.e. (x_{t+1}, label) occurs in tokens[:P]:
+    the positions prompt lookup drafts and a head must copy. labels (N,) target ids."""
+    m = batch.loss_mask[:, 1:]  # (B, T-1)
+    rows, cols = m.nonzero(as_tuple=True)  # (N,) each
+    V = int(max(int(batch.tokens.max()), int(labels.max()) if labels.numel() else 0)) + 1
+    code = batch.tokens[rows, cols + 1] * V + labels  # (N,) the bigram (x_{t+1}, label)
+    out = torch.zeros_like(labels, dtype=torch.bool)  # (N,)
+    first = torch.where(batch.loss_mask.any(1), batch.loss_mask.float().argmax(1), 0)  # (B,) P - 1 per row
+    for b in range(m.shape[0]):
+        P = int(first[b]) + 1
+        sel = rows == b
+        if P > 1 and bool(sel.any()):
+            pr = batch.tokens[b, :P]  # (P,) the prompt
+            out[sel] = torch.isin(code[sel], pr[:-1] * V + pr[1:])
+    return out
 
 
 # ----------------------------------------------------------------------------- one command
@@ -201,13 +230,15 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     V = target.get_output_embeddings().weight.shape[0]
     init_record = None
     if init is not None:
-        from ..eagle_head import eagle_info, load_eagle
+        from ..eagle_head import eagle_info, extra_layers_in, load_eagle
 
         init_record = {"path": Path(str(init)).name, **{k: v for k, v in eagle_info(init)["record"].items()
                                              if k in ("heldout", "train", "data", "init")}}
-        head = load_eagle(target, init)  # fit() puts it in training mode
+        head = load_eagle(target, init, max(extra_layers_in(init), eagle_cfg.layers - 1),
+                          True if eagle_cfg.current_token else None)  # fit() trains it
     else:
-        head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
+        head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed,
+                         extra_layers=eagle_cfg.layers - 1, current_token=eagle_cfg.current_token)
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), as_sequence(train), as_sequence(heldout), train_cfg,
                  out_dir=run_dir)
     final = result.history[-1] if result.history else {}
@@ -245,7 +276,8 @@ def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=
     t_data += time.perf_counter() - t0
     train, held = split_heldout(seqs, eagle_cfg.heldout_fraction, train_cfg.seed)
     V = target.get_output_embeddings().weight.shape[0]
-    head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed)
+    head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed,
+                     extra_layers=eagle_cfg.layers - 1, current_token=eagle_cfg.current_token)
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), train, held, train_cfg, out_dir=out)
     if not is_main_process():  # data-parallel runs: the main process writes the files
         return 0

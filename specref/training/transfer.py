@@ -11,7 +11,10 @@ draft token. Reported per category and over all positions; for heads that draft 
 from one context (Medusa's head k: token t+k+1; MTP's module d: token t+d+1, the modules before it
 teacher-forced; the MLP speculator's stage d likewise) also per head / depth, `top1_by_depth`; for the EAGLE-3 head, per draft position j
 of its training-time test (its own outputs fed back for the j-1 positions before; every position
-counted from the 4th answer token on, Eagle3TrainConfig.eval_steps).
+counted from the 4th answer token on, Eagle3TrainConfig.eval_steps). For EAGLE-1 heads also the
+copy / new split (`copy`: the share of positions whose next token continues a bigram of the
+prompt, eagle.copy_positions, and top-1 on those and on the rest): where prompt lookup drafts and
+a head must copy.
 
 The answers are evaluation data: measured on, never trained on (their folder is separate from
 every training folder). Run: `python -m specref.training.transfer --eagle OLD.safetensors
@@ -81,6 +84,9 @@ def per_category(task, seqs: Sequence[Seq], cats: Sequence[str], batch_size: int
                   "positions": sum(max(min(len(s.tokens), max_len) - s.prompt_len, 0) for s in part)}
         if "coverage" in m:  # the target's argmax inside the head's draft vocabulary: top1's ceiling
             res[c]["coverage"] = m["coverage"]
+        if m.get("copy_count"):  # EAGLE-1: positions whose next token continues a bigram of the prompt
+            res[c]["copy"] = {"share": m["copy_count"], "top1": m["copy_top1"] / m["copy_count"],
+                              "new_top1": (depths[0] - m["copy_top1"]) / max(1.0 - m["copy_count"], 1e-9)}
     return res
 
 
