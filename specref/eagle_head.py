@@ -122,7 +122,6 @@ class EagleHead(torch.nn.Module):
                 m.self_attn.o_proj.weight.zero_()
                 m.mlp.down_proj.weight.zero_()
             self.extra.append(m)
-        self.num_layers = 1 + extra_layers
         self.norm = copy.deepcopy(inner.norm)
         head = target.get_output_embeddings().weight.detach()  # (V, D)
         self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=p.device, dtype=p.dtype)
@@ -156,6 +155,11 @@ class EagleHead(torch.nn.Module):
         return self.norm(h)  # (B, Q, D)
 
     hidden_layers = (-1,)  # the target's states the head reads: its final normed state
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (the head's KV cache holds one per layer)."""
+        return 1 + len(self.extra)
 
     @property
     def feature_size(self) -> int:
@@ -373,10 +377,16 @@ def eagle_info(path=WEIGHTS) -> dict:
     return weights_info(path, FORMAT, "EAGLE head", "train one with `python -m specref train --method eagle`")
 
 
+def _layout(path) -> Tuple[int, bool]:
+    """(decoder layers after the first, current_token) of a head file, from its tensor names."""
+    names = read_weights(path)[0]
+    idx = {int(n.split(".")[1]) for n in names if n.startswith("extra.")}
+    return (max(idx) + 1 if idx else 0), "norm_c.weight" in names
+
+
 def extra_layers_in(path) -> int:
     """How many decoder layers after the first a head file holds (its `extra.{i}.` tensors)."""
-    idx = {int(n.split(".")[1]) for n in read_weights(path)[0] if n.startswith("extra.")}
-    return max(idx) + 1 if idx else 0
+    return _layout(path)[0]
 
 
 def load_eagle(target: torch.nn.Module, path=WEIGHTS, extra_layers: Optional[int] = None,
@@ -387,11 +397,9 @@ def load_eagle(target: torch.nn.Module, path=WEIGHTS, extra_layers: Optional[int
     two-input file adds e(x_t)'s zero FC columns (to continue training a larger head from it)."""
     meta = eagle_info(path)
     warn_if_other_target(path, meta, target)
-    have = extra_layers_in(path)
+    have, has_cur = _layout(path)
     if extra_layers is not None and extra_layers < have:
         raise ValueError(f"{path} holds {have} extra layers; cannot load it into a head with {extra_layers}")
-    names = read_weights(path)[0]
-    has_cur = "norm_c.weight" in names
     if current_token is False and has_cur:
         raise ValueError(f"{path} is a current_token head; cannot load it without its third input")
     head = EagleHead(target, load_token_map(path), extra_layers=have if extra_layers is None else extra_layers,

@@ -52,22 +52,29 @@ def _reference_draft(target, head, row, k):
     return out
 
 
-def test_draft_equals_recomputation_from_scratch(trained):
-    """Every step of a batched, ragged greedy generation: the cached head drafts exactly what the
-    head drafts when recomputed from the committed tokens alone (catch-up and roll-back are right)."""
-    target, head, _ = trained
-    prop = EagleProposer(head, EagleConfig(k=3))
+def _checked_chain(target, head, k):
+    """(an EagleProposer whose every greedy draft is asserted equal to _reference_draft, the rows
+    checked so far)."""
+    prop = EagleProposer(head, EagleConfig(k=k))
     checked, orig = [], prop.propose
 
     def propose(ctx, sampling, generator):
         d = orig(ctx, sampling, generator)
         for b in range(ctx.tokens.shape[0]):
             if bool(ctx.active[b]):
-                assert d.tokens[b].tolist() == _reference_draft(target, head, ctx.row(b), 3)
+                assert d.tokens[b].tolist() == _reference_draft(target, head, ctx.row(b), k)
                 checked.append(b)
         return d
 
     prop.propose = propose
+    return prop, checked
+
+
+def test_draft_equals_recomputation_from_scratch(trained):
+    """Every step of a batched, ragged greedy generation: the cached head drafts exactly what the
+    head drafts when recomputed from the committed tokens alone (catch-up and roll-back are right)."""
+    target, head, _ = trained
+    prop, checked = _checked_chain(target, head, 3)
     ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [0, 0, 0, 0, 9, 9, 2]])
     mask = (torch.arange(7) >= torch.tensor([2, 0, 4]).view(3, 1)).long()
     out = speculative_generate(target, prop, ids, mask, max_new_tokens=14, temperature=0)
@@ -201,18 +208,7 @@ def test_deeper_head_starts_as_the_file_and_drafts_exactly(trained, tmp_path):
         for n, p in deep.extra.named_parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=g))
         assert not torch.allclose(deep(f, x, pos, mask), head(f, x, pos, mask), atol=1e-3)
-    prop = EagleProposer(deep, EagleConfig(k=3))
-    checked, orig = [], prop.propose
-
-    def propose(ctx, sampling, generator):
-        d = orig(ctx, sampling, generator)
-        for b in range(ctx.tokens.shape[0]):
-            if bool(ctx.active[b]):
-                assert d.tokens[b].tolist() == _reference_draft(target, deep, ctx.row(b), 3)
-                checked.append(b)
-        return d
-
-    prop.propose = propose
+    prop, checked = _checked_chain(target, deep, 3)
     ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1]])
     mask2 = (torch.arange(7) >= torch.tensor([2, 0]).view(2, 1)).long()
     sp = speculative_generate(target, prop, ids, mask2, max_new_tokens=12, temperature=0)
@@ -254,18 +250,7 @@ def test_current_token_head_starts_as_the_file_and_drafts_exactly(trained, tmp_p
         assert not torch.allclose(cur(f, x, pos, mask, cur_tokens=c), head(f, x, pos, mask), atol=1e-3)
     with pytest.raises(ValueError, match="cur_tokens"):
         cur(f, x, pos, mask)
-    prop = EagleProposer(cur, EagleConfig(k=3))
-    checked, orig = [], prop.propose
-
-    def propose(ctx, sampling, generator):
-        d = orig(ctx, sampling, generator)
-        for b in range(ctx.tokens.shape[0]):
-            if bool(ctx.active[b]):
-                assert d.tokens[b].tolist() == _reference_draft(target, cur, ctx.row(b), 3)
-                checked.append(b)
-        return d
-
-    prop.propose = propose
+    prop, checked = _checked_chain(target, cur, 3)
     ids = torch.tensor([[0, 0, 3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1], [0, 0, 0, 0, 9, 9, 2]])
     mask3 = (torch.arange(7) >= torch.tensor([2, 0, 4]).view(3, 1)).long()
     ar = autoregressive_generate(target, ids, mask3, max_new_tokens=14, temperature=0)
