@@ -242,8 +242,12 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), as_sequence(train), as_sequence(heldout), train_cfg,
                  out_dir=run_dir)
     final = result.history[-1] if result.history else {}
-    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "eagle": asdict(eagle_cfg),
-              "train_seconds": result.seconds,
+    # the head's own shape, not the flags: a head continued from a file keeps the file's vocabulary,
+    # depth and inputs whatever the command said
+    shape = {"draft_vocab": int(head.token_map.numel()), "layers": head.num_layers,
+             "current_token": bool(head.current_token)}
+    record = {"data": data_record or {}, "train": train_record(train_cfg, result),
+              "eagle": {**asdict(eagle_cfg), **shape}, "train_seconds": result.seconds,
               "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
               "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history,
               "stopped_early": result.stopped_early}

@@ -153,7 +153,8 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     # `train --method eagle --store S --init FILE`: training continues from that head (its first
     # evaluation is the saved head's, its draft vocabulary kept); a fresh head starts elsewhere
     tm = torch.arange(0, V, 2)  # another vocabulary than the store's: must not be rebuilt
-    save_eagle(tmp_path / "init.safetensors", EagleHead(target, tm, seed=3), fingerprint(target), {"heldout": {}})
+    save_eagle(tmp_path / "init.safetensors", EagleHead(target, tm, seed=3, current_token=True), fingerprint(target),
+               {"heldout": {}})
     saved = EagleTask(load_eagle(target, tmp_path / "init.safetensors")).evaluate(collate(held, 48))
     more = run_eagle_store_training(target, train, held, replace(tcfg, steps=10, eval_every=10),
                                     EagleTrainConfig(draft_vocab=V), tmp_path / "more.safetensors",
@@ -162,6 +163,9 @@ def test_pipeline_trains_draft_and_eagle_on_the_store(tmp_path):
     assert more["history"][0]["heldout_top1"] != pytest.approx(first["heldout_top1"], abs=1e-6)
     assert more["init"]["path"] == "init.safetensors"  # by name: a record names no machine path
     assert load_eagle(target, tmp_path / "more.safetensors").token_map.equal(tm)
+    # the record states the head it trained (the file's inputs and vocabulary), not the flags' defaults
+    assert (more["eagle"]["current_token"], more["eagle"]["draft_vocab"], more["eagle"]["layers"]) == (True, tm.numel(), 1)
+    assert load_eagle(target, tmp_path / "more.safetensors").current_token
     with pytest.raises(ValueError, match="--init"):
         train_main(["--method", "eagle", "--init", str(tmp_path / "init.safetensors")])
 
