@@ -152,7 +152,8 @@ def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], held
     task = DraftDistillTask(draft, token_map, V, draft_cfg.loss)  # the stored top-k only
     result = fit(task, as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
-    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "draft": asdict(draft_cfg),
+    shape = {"num_layers": int(draft.config.num_hidden_layers), "draft_vocab": int(token_map.numel())}  # --init: the file's
+    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "draft": {**asdict(draft_cfg), **shape},
               "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
               "train_sequences": len(train), "heldout_sequences": len(heldout), "history": result.history,
               "stopped_early": result.stopped_early}

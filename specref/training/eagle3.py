@@ -189,7 +189,8 @@ def run_eagle3_training(target: torch.nn.Module, train_seqs: Sequence[Seq], held
     head.eval()
     if is_main_process():
         final = result.history[-1] if result.history else {}
-        rec = {**(record or {}), "train": train_record(train_cfg, result), "eagle3": asdict(cfg),
+        rec = {**(record or {}), "train": train_record(train_cfg, result),
+               "eagle3": {**asdict(cfg), "draft_vocab": int(head.token_map.numel())},  # --init: the file's
                "layers": list(head.layers),
                "train_seconds": result.seconds, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
                "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),

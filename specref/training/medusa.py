@@ -142,8 +142,10 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
                             own_lm_head=cfg.own_lm_head)
     result = fit(MedusaTask(heads, cfg), as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
-    acc = rank_accuracies(final, cfg.num_heads, cfg.ranks)
-    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "medusa": asdict(cfg),
+    acc = rank_accuracies(final, heads.num_heads, cfg.ranks)  # the heads trained: --init keeps the file's K
+    shape = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
+             "draft_vocab": int(heads.token_map.numel())}
+    record = {"data": data_record or {}, "train": train_record(train_cfg, result), "medusa": {**asdict(cfg), **shape},
               "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),
               "heldout_top1": acc[:, 0].tolist(), "heldout_rank_acc": acc.tolist(), "history": result.history,
               "stopped_early": result.stopped_early}

@@ -176,7 +176,8 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
     stack.eval()
     if is_main_process():  # data-parallel runs: the main process writes the file
         final = result.history[-1] if result.history else {}
-        rec = {**(record or {}), "train": train_record(train_cfg, result), "mtp": asdict(mtp_cfg),
+        shape = {"num_modules": stack.num_modules, "draft_vocab": int(stack.token_map.numel())}  # --init: the file's
+        rec = {**(record or {}), "train": train_record(train_cfg, result), "mtp": {**asdict(mtp_cfg), **shape},
                "train_seconds": result.seconds,
                "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
                "train_sequences": len(train_seqs), "heldout_sequences": len(heldout_seqs),

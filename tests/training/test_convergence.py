@@ -2,6 +2,7 @@
 the stopping rule, --init for every head type, a streamed store trains like an in-memory one, and
 the levers (EAGLE-1 loss weights, EAGLE-3 training-time-test depth, draft vocabulary, label dtype)
 reach the settings they name."""
+import json
 from dataclasses import replace
 
 import pytest
@@ -137,6 +138,36 @@ def test_init_continues_from_the_saved_head(name, store, tmp_path):
     assert held_first == pytest.approx(saved, abs=1e-6), (first, saved)  # agreement, loss, ...
     assert held_first != pytest.approx({k[len("heldout_"):]: v for k, v in fresh.items() if k.startswith("heldout_")},
                                        abs=1e-6)  # not a fresh head's
+
+
+def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
+    """`--init FILE` with flags that name another shape: the run trains the file's heads and its
+    record (and Medusa's per-head accuracies, which pick its tree) states the file's shape."""
+    from specref.training.draft import DraftTrainConfig, run_draft_store_training
+    from specref.training.medusa import MedusaTrainConfig, run_medusa_training
+    from specref.training.mtp import MTPTrainConfig, run_mtp_training
+
+    torch.manual_seed(0)
+    target = _target()
+    fin, lean = store_split(store, heldout_fraction=0.2), store_split(store, layers=(), heldout_fraction=0.2)
+    q = dict(progress=False, log=lambda *a: None)
+    run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=2, draft_vocab=V), tmp_path / "m.safetensors",
+                        measure_costs=False)
+    rec = run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=3, draft_vocab=32),
+                              tmp_path / "m2.safetensors", measure_costs=False, init=tmp_path / "m.safetensors")
+    assert (rec["medusa"]["num_heads"], rec["medusa"]["draft_vocab"], len(rec["heldout_top1"])) == (2, V, 2)
+    run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=1, draft_vocab=V), tmp_path / "t.safetensors", **q)
+    run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=2, draft_vocab=32), tmp_path / "t2.safetensors",
+                     init=tmp_path / "t.safetensors", **q)
+    from specref.weights import read_weights
+
+    rec = json.loads(read_weights(tmp_path / "t2.safetensors", names=())[1]["record"])
+    assert (rec["mtp"]["num_modules"], rec["mtp"]["draft_vocab"]) == (1, V)
+    run_draft_store_training(target, *lean, TCFG, DraftTrainConfig(num_layers=1, draft_vocab=48),
+                             tmp_path / "d.safetensors")
+    rec = run_draft_store_training(target, *lean, TCFG, DraftTrainConfig(num_layers=2, draft_vocab=16),
+                                   tmp_path / "d2.safetensors", init=tmp_path / "d.safetensors")
+    assert (rec["draft"]["num_layers"], rec["draft"]["draft_vocab"]) == (1, 48)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "mtp", "draft"])
