@@ -141,8 +141,9 @@ def test_init_continues_from_the_saved_head(name, store, tmp_path):
 
 
 def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
-    """`--init FILE` with flags that name another shape: the run trains the file's heads and its
-    record (and Medusa's per-head accuracies, which pick its tree) states the file's shape."""
+    """`--init FILE` with flags that name another shape (Medusa, MTP, the draft, EAGLE-3; EAGLE-1 in
+    test_store.py): the run trains the file's heads and its record (and Medusa's per-head
+    accuracies, which pick its tree) states the file's shape."""
     from specref.training.draft import DraftTrainConfig, run_draft_store_training
     from specref.training.medusa import MedusaTrainConfig, run_medusa_training
     from specref.training.mtp import MTPTrainConfig, run_mtp_training
@@ -168,6 +169,14 @@ def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
     rec = run_draft_store_training(target, *lean, TCFG, DraftTrainConfig(num_layers=2, draft_vocab=16),
                                    tmp_path / "d2.safetensors", init=tmp_path / "d.safetensors")
     assert (rec["draft"]["num_layers"], rec["draft"]["draft_vocab"]) == (1, 48)
+    from specref.training.eagle3 import Eagle3TrainConfig, run_eagle3_training
+
+    e3 = store_split(store, layers=(0, 1, 2), heldout_fraction=0.2)
+    run_eagle3_training(target, *e3, TCFG, Eagle3TrainConfig(draft_vocab=V, ttt_steps=2), tmp_path / "e.safetensors",
+                        layers=(0, 1, 2), **q)
+    run_eagle3_training(target, *e3, TCFG, Eagle3TrainConfig(draft_vocab=32, ttt_steps=2), tmp_path / "e2.safetensors",
+                        layers=(0, 1, 2), init=tmp_path / "e.safetensors", **q)
+    assert json.loads(read_weights(tmp_path / "e2.safetensors", names=())[1]["record"])["eagle3"]["draft_vocab"] == V
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "mtp", "draft"])
