@@ -67,6 +67,12 @@ FORMAT = "specref-eagle-1"
 WEIGHTS = FOLDER / "smollm2_135m_eagle.safetensors.xz"
 
 
+def cur_kwargs(head: torch.nn.Module, cur: torch.Tensor) -> dict:
+    """The head's keyword for its pairs' current tokens x_t (B, Q): only a current_token EagleHead
+    reads them (EAGLE-3's and the published heads' forward takes no such argument)."""
+    return {"cur_tokens": cur} if getattr(head, "current_token", False) else {}
+
+
 class EagleHead(torch.nn.Module):
     """FC + one decoder layer (a copy of the target's last; `extra_layers` more) + norm; the frozen
     reduced LM head.
@@ -251,10 +257,6 @@ class EagleProposer:
         """Head-cache slots one step's drafting writes after the true pairs (a chain: k)."""
         return self.k
 
-    def _cur(self, cur: torch.Tensor) -> dict:
-        """The head's keyword for the pairs' current tokens x_t (B, Q): only a current_token head reads them."""
-        return {"cur_tokens": cur} if getattr(self.head, "current_token", False) else {}
-
     def _forward(self, f_in: torch.Tensor, x_in: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
         """Feed pairs (B, Q) at the cache's next slots (position = slot); cur (B, Q) their tokens x_t.
         -> f^ (B, Q, D)"""
@@ -265,7 +267,7 @@ class EagleProposer:
         allowed = ar.view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S) committed pairs + causal block
         with attending(self.cache, S):
             return self.head(f_in, x_in, slots, additive_mask(allowed, f_in.dtype), cache=self.cache,
-                             **self._cur(cur))
+                             **cur_kwargs(self.head, cur))
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:

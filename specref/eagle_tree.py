@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import normalise_ints
-from .eagle_head import EagleConfig, EagleHead, EagleProposer
+from .eagle_head import EagleConfig, EagleHead, EagleProposer, cur_kwargs
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
 from .target import additive_mask, attending
@@ -96,7 +96,7 @@ class Eagle2Proposer(EagleProposer):
         allowed = (rel < 0) | (spec & anc.gather(2, rel.clamp(0, M - 1).expand(B, Q, S)))  # (B, Q, S)
         with attending(self.cache, S):
             return self.head(f_in, x_in, positions, additive_mask(allowed, f_in.dtype), cache=self.cache,
-                             **self._cur(cur))
+                             **cur_kwargs(self.head, cur))
 
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         """The tree (EagleProposer.propose runs it: no grad, the packed linears); the same at

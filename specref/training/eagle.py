@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..eagle_head import EagleHead, save_eagle
+from ..eagle_head import EagleHead, cur_kwargs, save_eagle
 from ..target import additive_mask
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
@@ -140,8 +140,8 @@ class EagleTask:
         keys = batch.attention[:, 1:]  # (B, T-1) real pairs
         causal = pos.unsqueeze(2) >= pos.unsqueeze(1)  # (B, T-1, T-1)
         mask = additive_mask(causal & keys.unsqueeze(1), feats_in.dtype)  # (B, 1, T-1, T-1)
-        cur = {"cur_tokens": batch.tokens[:, :-1]} if getattr(self.module, "current_token", False) else {}
-        return self.module(feats_in, batch.tokens[:, 1:], pos, mask, **cur)  # (B, T-1, D)
+        return self.module(feats_in, batch.tokens[:, 1:], pos, mask,
+                           **cur_kwargs(self.module, batch.tokens[:, :-1]))  # (B, T-1, D)
 
     def _parts(self, batch: Batch, noise: bool):
         if batch.features is None or batch.topk_ids is None:
