@@ -36,6 +36,15 @@ only option for a model that ships none); CE only, no feature regression; no bia
 projection. The same: the input pair (feature, next token's embedding) and norms, the projection
 2D -> D, one decoder layer, the shared frozen LM head, the cache dance (true catch-up, speculative
 slots dropped), and D = 1 reused past depth 1 is EAGLE-1's chain.
+`current_token` (our option, EagleHead's for EAGLE-1): module k also reads the token t_{i+k-1} before
+the one it embeds (for k = 1 the token the main model read at i, whose state h^0_i is), a third
+projection input with its columns zero at initialisation, so modules continued from a two-input file
+start as those modules:
+
+    h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k-1}))]   (cnorm; 3D -> D)
+
+Module 1 and a one-layer EAGLE-1 head read the same inputs for the same label, so `mtp_from_eagle`
+starts modules as a trained head (a warm start for training; our addition).
 Left out: the main model's own next-token loss (the target is frozen), vLLM's zeroed embedding at
 position 0, trees over the MTP drafts, adaptive draft lengths. `load_native_mtp` reads the
 DeepSeek-V3 layout but has only run on tiny random checkpoints written in it, not on a real model.
@@ -59,7 +68,8 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
-from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
+from .weights import (FOLDER, load_tensors, load_token_map, read_weights, save_trained, warn_if_other_target,
+                      weights_info)
 
 FORMAT = "specref-mtp-1"
 WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors.xz"
@@ -77,19 +87,23 @@ def _count(value, name: str) -> int:
 
 
 class MTPModule(torch.nn.Module):
-    """One depth: enorm, hnorm, eh_proj (2D -> D, no bias), one block, its shared_head.norm."""
+    """One depth: enorm, hnorm, eh_proj (2D -> D, no bias), one block, its shared_head.norm; with
+    current_token also cnorm and eh_proj 3D -> D (the third input's columns zero at initialisation)."""
 
-    def __init__(self, inner: torch.nn.Module, seed: int):
+    def __init__(self, inner: torch.nn.Module, seed: int, current_token: bool = False):
         super().__init__()
         D = inner.norm.weight.shape[0]
         self.enorm, self.hnorm = copy.deepcopy(inner.norm), copy.deepcopy(inner.norm)
-        for n in (self.enorm, self.hnorm):
-            torch.nn.init.ones_(n.weight)
+        self.cnorm = copy.deepcopy(inner.norm) if current_token else None
+        for n in (self.enorm, self.hnorm, self.cnorm):
+            if n is not None:
+                torch.nn.init.ones_(n.weight)
         w = inner.norm.weight
-        self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
-        with torch.no_grad():  # nn.Linear's default range, from an explicit generator
+        self.eh_proj = torch.nn.Linear((3 if current_token else 2) * D, D, bias=False)
+        with torch.no_grad():  # nn.Linear's default range (of the two-input projection), from an explicit generator
             bound, g = (2 * D) ** -0.5, torch.Generator().manual_seed(seed)
-            self.eh_proj.weight.uniform_(-bound, bound, generator=g)
+            self.eh_proj.weight[:, : 2 * D].uniform_(-bound, bound, generator=g)
+            self.eh_proj.weight[:, 2 * D:].zero_()  # t_{i+k-1}'s columns (current_token) start at zero
         self.eh_proj.to(device=w.device, dtype=w.dtype)
         self.block = copy.deepcopy(inner.layers[-1])
         self.block.self_attn.layer_idx = 0  # each module's cache has one layer
@@ -102,10 +116,13 @@ class MTPStack(torch.nn.Module):
     head rows `token_map` as the shared frozen output head."""
 
     def __init__(self, target: torch.nn.Module, token_map: Optional[torch.Tensor] = None, num_modules: int = 1,
-                 seed: int = 0):
+                 seed: int = 0, current_token: bool = False):
         """token_map (Vd,): target ids of the draft vocabulary (None: all); num_modules: D; seed: the
-        projections' initialisation (module d gets seed + d; the rest starts as copies of the target's)."""
+        projections' initialisation (module d gets seed + d; the rest starts as copies of the target's);
+        current_token: every module also reads the token before the one it embeds (zero columns at first)."""
         super().__init__()
+        if not isinstance(current_token, bool):
+            raise ValueError(f"current_token must be a bool, got {current_token!r}")
         inner = getattr(target, "model", None)
         if getattr(inner, "layers", None) is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "norm"):
             raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
@@ -116,7 +133,8 @@ class MTPStack(torch.nn.Module):
         if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
             raise ValueError(f"token_map must be a 1-D tensor of >= 2 target ids in [0, {V})")
         self.vocab_size, self.hidden_size, self.num_modules = int(V), int(D), _count(num_modules, "num_modules")
-        self.layers = torch.nn.ModuleList(MTPModule(inner, seed + d) for d in range(self.num_modules))
+        self.current_token = current_token
+        self.layers = torch.nn.ModuleList(MTPModule(inner, seed + d, current_token) for d in range(self.num_modules))
         self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=head.device, dtype=head.dtype)
         with torch.no_grad():
             self.lm_head.weight.copy_(head[token_map.to(head.device)])  # (Vd, D)
@@ -125,12 +143,18 @@ class MTPStack(torch.nn.Module):
         self._shared = (inner.embed_tokens, inner.rotary_emb)  # not submodules: never trained or saved
 
     def forward(self, d: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                mask: Optional[torch.Tensor], cache=None) -> torch.Tensor:
+                mask: Optional[torch.Tensor], cache=None, cur_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Module d (0-based): h_prev (B, Q, D) h^{d}_i, tokens (B, Q) t_{i+d+1}, positions (B, Q),
-        mask (B, 1, Q, S) additive or None -> h^{d+1}_i (B, Q, D)."""
+        mask (B, 1, Q, S) additive or None, cur_tokens (B, Q) t_{i+d} (a current_token stack's; ignored
+        otherwise) -> h^{d+1}_i (B, Q, D)."""
         m, (embed, rotary) = self.layers[d], self._shared
         e = embed(tokens.clamp(min=0)).to(h_prev.dtype)  # (B, Q, D)
-        g = m.eh_proj(torch.cat([m.enorm(e), m.hnorm(h_prev)], dim=-1))  # (B, Q, D)
+        parts = [m.enorm(e), m.hnorm(h_prev)]
+        if self.current_token:
+            if cur_tokens is None or cur_tokens.shape != tokens.shape:
+                raise ValueError("a current_token MTP stack needs cur_tokens (B, Q), the token before each input token")
+            parts.append(m.cnorm(embed(cur_tokens.clamp(min=0)).to(h_prev.dtype)))  # (B, Q, D)
+        g = m.eh_proj(torch.cat(parts, dim=-1))  # (B, Q, D)
         pe = rotary(g, position_ids=positions)  # (cos, sin), each (B, Q, head_dim)
         return m.block(g, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
                        position_embeddings=pe)  # (B, Q, D)
@@ -210,14 +234,15 @@ class MTPProposer:
         rows = torch.arange(B, device=vals.device).view(B, 1).expand(B, W)  # (B, W)
         self.h[d][rows[ok], (start.view(B, 1) + j)[ok]] = vals[ok].to(self.h[d])
 
-    def _forward(self, d: int, h_in: torch.Tensor, x_in: torch.Tensor) -> torch.Tensor:
-        """Module d (0-based) over a block (B, Q) at its cache's next slots (position = slot). -> (B, Q, D)"""
+    def _forward(self, d: int, h_in: torch.Tensor, x_in: torch.Tensor, c_in: torch.Tensor) -> torch.Tensor:
+        """Module d (0-based) over a block (B, Q) at its cache's next slots (position = slot); c_in (B, Q)
+        the token before each of x_in (read by a current_token stack only). -> (B, Q, D)"""
         cache = self.caches[d]
         slots = cache.begin_block(x_in.shape[1])  # (B, Q)
         S = int(slots.max()) + 1
         allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, Q, S)
         with attending(cache, S):
-            return self.stack(d, h_in, x_in, slots, additive_mask(allowed, h_in.dtype), cache=cache)
+            return self.stack(d, h_in, x_in, slots, additive_mask(allowed, h_in.dtype), cache=cache, cur_tokens=c_in)
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
@@ -242,13 +267,17 @@ class MTPProposer:
         t = (base.view(B, 1) + col).clamp(max=T - 1 - d)  # (B, W) position of each true column
         h_in = self.h[d - 1].gather(1, t.unsqueeze(-1).expand(B, W, Dh))  # (B, W, D)
         x_in = ctx.tokens.gather(1, t + d)  # (B, W)
+        c_in = ctx.tokens.gather(1, t + d - 1)  # (B, W) the token before each input token
         if n:  # row b's block starts right after its todo[b] true columns (ragged rows)
             s = col - todo.view(B, 1)  # (B, W) index into the block
             in_block = (s >= 0) & (s < n)  # (B, W)
             s = s.clamp(0, n - 1)
             h_in = torch.where(in_block.unsqueeze(-1), spec_h.gather(1, s.unsqueeze(-1).expand(B, W, Dh)), h_in)
             x_in = torch.where(in_block, spec_x.gather(1, s), x_in)
-        out = self._forward(d - 1, h_in, x_in)  # (B, W, D) h^d
+            pending = ctx.tokens.gather(1, (L - 1).clamp(min=0).view(B, 1))  # (B, 1) x_{L-1}
+            spec_c = torch.cat([pending, spec_x[:, :-1]], dim=1)  # (B, n) the tokens before the block's
+            c_in = torch.where(in_block, spec_c.gather(1, s), c_in)
+        out = self._forward(d - 1, h_in, x_in, c_in)  # (B, W, D) h^d
         if d < len(self.h):
             self._put(d, base, out, todo)
         self.caches[d - 1].commit(todo + act.long() * n)
@@ -273,7 +302,8 @@ class MTPProposer:
                 spec = self._catch_up(j, ctx, torch.cat([h0, spec], dim=1), torch.stack(tokens, dim=1))  # (B, j-1, D)
                 last = spec[:, -1]  # (B, D) h^j_{L-2}
             elif j > D:  # module D one position further, on its own output
-                last = self._forward(D - 1, last.unsqueeze(1), tokens[-1].view(B, 1))[:, 0]  # (B, D)
+                before = tokens[-2] if len(tokens) > 1 else ctx.tokens[rows, (L - 1).clamp(min=0)]  # (B,)
+                last = self._forward(D - 1, last.unsqueeze(1), tokens[-1].view(B, 1), before.view(B, 1))[:, 0]  # (B, D)
                 self.caches[D - 1].commit(act.long())
             logits = self.stack.logits(min(j, D) - 1, last).float()  # (B, Vd)
             if sampling.greedy or self.config.greedy_draft:
@@ -308,13 +338,60 @@ def mtp_info(path=WEIGHTS) -> dict:
     return weights_info(path, FORMAT, "MTP modules", "train them with `python -m specref train --method mtp`")
 
 
-def load_mtp(target: torch.nn.Module, path=WEIGHTS) -> MTPStack:
+def load_mtp(target: torch.nn.Module, path=WEIGHTS, current_token: Optional[bool] = None) -> MTPStack:
     """An MTPStack for `target` with the weights of a file written by save_mtp (default: the
-    committed modules of the default model)."""
+    committed modules of the default model). current_token: None, the file's; True on a two-input
+    file adds the third input's zero projection columns (to continue training from it)."""
     meta = mtp_info(path)
     warn_if_other_target(path, meta, target)
-    stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)))
-    load_tensors(path, dict(stack.trainable()), "MTP modules")
+    has_cur = "layers.0.cnorm.weight" in read_weights(path)[0]
+    if current_token is False and has_cur:
+        raise ValueError(f"{path} holds current_token MTP modules; cannot load them without their third input")
+    stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)),
+                     current_token=has_cur if current_token is None else current_token)
+    expected = {n: q for n, q in stack.trainable() if has_cur or ".cnorm." not in n}
+    widen = stack.current_token and not has_cur
+    if widen:  # each file's two-input projection into the first 2D columns
+        D = stack.hidden_size
+        for d, m in enumerate(stack.layers):
+            expected[f"layers.{d}.eh_proj.weight"] = torch.nn.Parameter(m.eh_proj.weight.detach()[:, : 2 * D].clone())
+    load_tensors(path, expected, "MTP modules")
+    if widen:
+        with torch.no_grad():
+            for d, m in enumerate(stack.layers):
+                m.eh_proj.weight[:, : 2 * D].copy_(expected[f"layers.{d}.eh_proj.weight"])
+    return stack.eval()
+
+
+def mtp_from_eagle(target: torch.nn.Module, head: torch.nn.Module, num_modules: int = 1) -> MTPStack:
+    """MTP modules that start as a one-layer EAGLE-1 head (eagle_head.EagleHead, current_token or
+    not) of `target`, its draft vocabulary kept. Module 1 and the head read the same inputs (the
+    target's final normed state at i, the embedding of t_{i+1}, and, with current_token, of t_i) and
+    predict the same token, so module 1 is the head: norms, projection, decoder layer and output norm
+    copied; the head's FC bias is dropped (MTP's projection has none; measured in docs/training.md).
+    Modules 2..D start as the head too, as EAGLE reuses it at every depth, with hnorm set to read
+    module d-1's pre-norm output h as the head reads its own normed output f^ = norm(h):
+    w_hnorm = w_norm_f * w_norm / rms(w_norm), exact when h's normalised entries are independent of
+    w_norm. Our addition: a warm start for training (`--init` with a head file), not DeepSeek-V3's."""
+    from .eagle_head import EagleHead
+
+    if type(head) is not EagleHead:
+        raise ValueError(f"head must be an EAGLE-1 EagleHead, got {type(head).__name__}")
+    if head.num_layers != 1:
+        raise ValueError(f"MTP modules hold one decoder layer; the head has {head.num_layers}")
+    stack = MTPStack(target, head.token_map, num_modules=num_modules, current_token=head.current_token)
+    if stack.hidden_size != head.hidden_size:
+        raise ValueError(f"the head's width {head.hidden_size} is not the target's {stack.hidden_size}")
+    w = head.norm.weight.detach()  # (D,)
+    with torch.no_grad():
+        for d, m in enumerate(stack.layers):
+            m.enorm.weight.copy_(head.norm_e.weight)
+            m.hnorm.weight.copy_(head.norm_f.weight if d == 0 else head.norm_f.weight * w / w.pow(2).mean().sqrt())
+            if head.current_token:
+                m.cnorm.weight.copy_(head.norm_c.weight)
+            m.eh_proj.weight.copy_(head.fc.weight)
+            m.block.load_state_dict(head.layer.state_dict())
+            m.norm.weight.copy_(w)
     return stack.eval()
 
 

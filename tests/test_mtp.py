@@ -100,40 +100,158 @@ def test_module_is_the_reports_formula(trained):
                                                                     stack.layers[1].eh_proj.weight)
 
 
-def _run(stack, d, h, x):
-    """Module d over a whole sequence, no cache, causal."""
+def _run(stack, d, h, x, c):
+    """Module d over a whole sequence, no cache, causal; c (1, Q) the tokens before x's."""
     Q = x.shape[1]
     pos = torch.arange(Q).view(1, Q)  # (1, Q)
     mask = torch.where(pos.view(1, 1, Q, 1) >= pos.view(1, 1, 1, Q), 0.0, float("-inf"))  # (1, 1, Q, Q)
-    return stack(d, h, x, pos, mask)  # (1, Q, D)
+    return stack(d, h, x, pos, mask, cur_tokens=c)  # (1, Q, D)
 
 
 def _reference_draft(target, stack, row, k, D):
     """The greedy draft recomputed from the committed tokens alone: module d over positions 0..L-2 with
-    tokens x_{i+d} (drafts past the context), then module D extended on its own outputs."""
+    tokens x_{i+d} (drafts past the context) and the tokens before them x_{i+d-1}, then module D
+    extended on its own outputs."""
     with torch.no_grad():
         L, seq, drafts = row.numel(), row.tolist(), []
         h = target.model(input_ids=row[None, :-1]).last_hidden_state  # (1, L-1, D) h^0
         for d in range(1, D + 1):
             h_in, x = h, torch.tensor(seq + drafts)[d: d + L - 1].view(1, -1)  # (1, L-1, D), (1, L-1)
-            h = _run(stack, d - 1, h_in, x)  # (1, L-1, D) h^d
+            c = torch.tensor(seq + drafts)[d - 1: d + L - 2].view(1, -1)  # (1, L-1)
+            h = _run(stack, d - 1, h_in, x, c)  # (1, L-1, D) h^d
             drafts.append(int(stack.token_map[stack.logits(d - 1, h[0, -1]).argmax()]))
         for _ in range(D, k):
             h_in = torch.cat([h_in, h[:, -1:]], dim=1)  # module D's own output stands in for h^{D-1}
+            c = torch.cat([c, x[:, -1:]], dim=1)
             x = torch.cat([x, torch.tensor([[drafts[-1]]])], dim=1)
-            h = _run(stack, D - 1, h_in, x)
+            h = _run(stack, D - 1, h_in, x, c)
             drafts.append(int(stack.token_map[stack.logits(D - 1, h[0, -1]).argmax()]))
     return drafts
 
 
-@pytest.mark.parametrize("which, modules, k", [("trained", 1, 3), ("trained", 2, 3), ("random", 3, 4)])
+def _current(target, path, seed=2):
+    """The trained file's modules with a current-token input whose columns are random (not zero)."""
+    stack = load_mtp(target, path, current_token=True)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in stack.layers:
+            m.eh_proj.weight[:, 2 * stack.hidden_size:].normal_(0, 0.1, generator=g)
+    return stack
+
+
+def test_current_token_modules_start_as_the_file_and_round_trip(trained, tmp_path):
+    """current_token: loaded from a two-input file with the third input's columns added, the modules
+    compute what the file's compute; with those columns non-zero, module d is
+    eh_proj [enorm(Emb(t_{i+d})); hnorm(h); cnorm(Emb(t_{i+d-1}))] by hand; training reads the token
+    before each input token, continues such a file with or without the flag and records the shape."""
+    target, stack, _, path = trained
+    cur, plain = load_mtp(target, path, current_token=True), load_mtp(target, path)
+    assert cur.current_token and not plain.current_token and cur.layers[1].eh_proj.in_features == 3 * 32
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 32, generator=g)  # (2, 5, D)
+    x, c = torch.randint(0, V, (2, 5), generator=g), torch.randint(0, V, (2, 5), generator=g)  # (2, 5) each
+    pos = torch.arange(5).expand(2, 5)  # (2, 5)
+    mask = torch.where(pos.view(2, 1, 5, 1) >= pos.view(2, 1, 1, 5), 0.0, float("-inf"))  # (2, 1, 5, 5)
+    rms = lambda x, w: w * x / x.pow(2).mean(-1, keepdim=True).add(target.config.rms_norm_eps).sqrt()  # noqa: E731
+    emb = target.model.embed_tokens
+    with torch.no_grad():
+        for d in range(2):
+            assert torch.allclose(cur(d, h, x, pos, mask, cur_tokens=c), plain(d, h, x, pos, mask), atol=1e-6), d
+        cur = _current(target, path)
+        for d, m in enumerate(cur.layers):
+            gin = torch.cat([rms(emb(x), m.enorm.weight), rms(h, m.hnorm.weight), rms(emb(c), m.cnorm.weight)], -1)
+            want = m.block(gin @ m.eh_proj.weight.T, attention_mask=mask, position_ids=pos,
+                           position_embeddings=target.model.rotary_emb(h, position_ids=pos))  # (2, 5, D)
+            got = cur(d, h, x, pos, mask, cur_tokens=c)
+            assert torch.allclose(got, want, atol=1e-5), d
+            assert not torch.allclose(got, plain(d, h, x, pos, mask), atol=1e-3), d
+    with pytest.raises(ValueError, match="cur_tokens"):
+        cur(0, h, x, pos, mask)
+    with pytest.raises(ValueError, match="current_token"):
+        MTPStack(target, num_modules=1, current_token=1)
+    # training: module d (0-based) reads t_{i+d+1} and, as its third input, t_{i+d}
+    train, held = split_heldout(_data(target, 40), 0.25, seed=0)
+    task = MTPTask(cur)
+    batch = collate(train[:8])
+    with torch.no_grad():
+        seen = []
+        orig = cur.forward
+        cur.forward = lambda d, hp, t, p, m, cache=None, cur_tokens=None: seen.append((d, t, cur_tokens)) or orig(
+            d, hp, t, p, m, cache, cur_tokens)
+        task.loss(batch)
+        del cur.forward
+    T = batch.tokens.shape[1]
+    for d, t, ct in seen:
+        assert torch.equal(t, batch.tokens[:, d + 1:]) and torch.equal(ct, batch.tokens[:, d:T - 1]), d
+    assert len(seen) == 2
+    cfg = TrainConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, seed=0)
+    run_mtp_training(target, train, held, cfg, MTPTrainConfig(current_token=True), tmp_path / "c.safetensors",
+                            progress=False, log=lambda s: None, init=path)
+    assert mtp_info(tmp_path / "c.safetensors")["record"]["mtp"]["current_token"] is True
+    again, _ = run_mtp_training(target, train, held, cfg, MTPTrainConfig(), tmp_path / "c2.safetensors",
+                                progress=False, log=lambda s: None, init=tmp_path / "c.safetensors")
+    assert again.current_token and mtp_info(tmp_path / "c2.safetensors")["record"]["mtp"]["current_token"] is True
+    with pytest.raises(ValueError, match="third input"):
+        load_mtp(target, tmp_path / "c.safetensors", current_token=False)
+    with pytest.raises(ValueError, match="current_token"):
+        MTPTrainConfig(current_token="yes")
+
+
+@pytest.mark.parametrize("current", [False, True])
+def test_modules_from_an_eagle_head(trained, tmp_path, current):
+    """mtp_from_eagle: module 1 computes the EAGLE-1 head's logits on the same inputs (exactly once the
+    FC bias, which MTP's projection lacks, is zero); every module starts as the head; training
+    starts from a head's file given as --init; a two-layer head or another kind is refused."""
+    from specref.eagle_head import EagleHead, save_eagle
+    from specref.mtp import mtp_from_eagle
+
+    target, stack, _, _ = trained
+    head = EagleHead(target, stack.token_map, seed=4, current_token=current).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, q in head.trainable():  # a head whose every weight matters (current_token's columns too)
+            q.add_(torch.randn(q.shape, generator=g) * 0.05)
+    h = torch.randn(2, 6, 32, generator=g)  # (2, 6, D)
+    x, c = torch.randint(0, V, (2, 6), generator=g), torch.randint(0, V, (2, 6), generator=g)  # (2, 6) each
+    pos = torch.arange(6).expand(2, 6)  # (2, 6)
+    mask = torch.where(pos.view(2, 1, 6, 1) >= pos.view(2, 1, 1, 6), 0.0, float("-inf"))  # (2, 1, 6, 6)
+    kw = {"cur_tokens": c} if current else {}
+    with torch.no_grad():
+        m = mtp_from_eagle(target, head, num_modules=2)
+        assert m.current_token == current and torch.equal(m.token_map, head.token_map)
+        biased = head.logits(head(h, x, pos, mask, **kw))  # (2, 6, Vd)
+        got = m.logits(0, m(0, h, x, pos, mask, cur_tokens=c))
+        assert not torch.allclose(got, biased, atol=1e-4)  # the bias is dropped
+        head.fc.bias.zero_()
+        assert torch.allclose(m.logits(0, m(0, h, x, pos, mask, cur_tokens=c)), head.logits(head(h, x, pos, mask, **kw)),
+                              atol=1e-5)
+        assert torch.equal(m.layers[1].eh_proj.weight, head.fc.weight)
+        assert torch.equal(m.layers[1].block.mlp.up_proj.weight, head.layer.mlp.up_proj.weight)
+    save_eagle(tmp_path / "head.safetensors", head, "fp", {"note": "test"})
+    train, held = split_heldout(_data(target, 40), 0.25, seed=0)
+    cfg = TrainConfig(steps=2, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=2, seed=0)
+    with pytest.warns(UserWarning, match="another target"):
+        out, _ = run_mtp_training(target, train, held, cfg, MTPTrainConfig(num_modules=2), tmp_path / "m.safetensors",
+                                  progress=False, log=lambda s: None, init=tmp_path / "head.safetensors")
+    rec = mtp_info(tmp_path / "m.safetensors")["record"]
+    assert rec["init_from"] == "eagle" and rec["mtp"]["current_token"] == current and out.num_modules == 2
+    with pytest.raises(ValueError, match="one decoder layer"):
+        mtp_from_eagle(target, EagleHead(target, stack.token_map, extra_layers=1))
+    with pytest.raises(ValueError, match="EAGLE-1"):
+        mtp_from_eagle(target, stack)
+
+
+@pytest.mark.parametrize("which, modules, k", [("trained", 1, 3), ("trained", 2, 3), ("random", 3, 4),
+                                               ("current", 1, 3), ("current", 2, 4)])
 def test_draft_equals_recomputation_from_scratch(trained, which, modules, k):
     """Every step of a batched, ragged greedy generation in which row 1 is left out of ctx.active on
     every third step (as hybrid.py does): each drafted row's draft equals the recomputation from its
-    committed tokens alone (catch-up, speculative blocks and roll-back are right), the left-out row
-    gets an empty draft, and the output is the target's greedy output."""
-    target, stack, _, _ = trained
-    stack = stack if which == "trained" else MTPStack(target, num_modules=3, seed=5).eval()
+    committed tokens alone (catch-up, speculative blocks and roll-back are right; a current_token
+    stack's third input too: the committed token, then the drafts), the left-out row gets an empty
+    draft, and the output is the target's greedy output."""
+    target, stack, _, path = trained
+    stack = {"trained": stack, "random": MTPStack(target, num_modules=3, seed=5).eval(),
+             "current": _current(target, path)}[which]
     prop = MTPProposer(stack, MTPConfig(k=k, modules=modules))
     checked, steps, orig = [], [0], prop.propose
 
@@ -158,7 +276,7 @@ def test_draft_equals_recomputation_from_scratch(trained, which, modules, k):
     ar = autoregressive_generate(target, ids, mask, max_new_tokens=14, temperature=0)
     assert torch.equal(out.tokens, ar.tokens)
     assert len(checked) >= 10 and checked.count(1) >= 3, checked
-    if which == "trained":  # runs of 2+ accepted drafts (catch-up blocks of 3+) and rejections occurred
+    if which != "random":  # runs of 2+ accepted drafts (catch-up blocks of 3+) and rejections occurred
         assert out.stats.accepted_per_position[1] > 0 and out.stats.acceptance_rate < 0.95, out.stats
 
 

@@ -41,6 +41,8 @@ def _train_main(argv=None) -> int:
     ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
     ap.add_argument("--mtp-lambda", type=float, default=1.0, help="mtp: lambda, the weight of the modules' "
                     "soft cross-entropy")
+    ap.add_argument("--mtp-current-token", action="store_true", help="mtp: each module also reads the token "
+                    "before the one it embeds; with --init, zero projection columns are added to the file's modules")
     ap.add_argument("--mtp-w-reg", type=float, default=0.0, help="mtp: weight of EAGLE's feature regression at "
                     "every depth (0: DeepSeek-V3's cross-entropy only; --mtp-lambda 0.1 --mtp-w-reg 1 is EAGLE's ratio)")
     ap.add_argument("--mlp-stages", type=int, default=3, help="mlp_speculator: n_predict stages")
@@ -52,7 +54,8 @@ def _train_main(argv=None) -> int:
                     "of a self-distilled folder")
     ap.add_argument("--init", default=None, metavar="PATH", help="every method on feature stores (eagle and draft "
                     "with --store; mlp_speculator): continue training this saved head / draft file (e.g. specref/weights/"
-                    "smollm2_135m_eagle.safetensors.xz), its shape and draft vocabulary kept")
+                    "smollm2_135m_eagle.safetensors.xz), its shape and draft vocabulary kept; mtp: an EAGLE-1 head "
+                    "file too, every module starting as the head (--mtp-modules kept)")
     ap.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
                     "sequences (replaces --steps)")
     ap.add_argument("--train-tokens", type=int, default=TrainConfig.tokens, help="budget in training tokens "
@@ -248,7 +251,8 @@ def _mtp_config(a):
     """The MTP settings of the command line."""
     from .mtp import MTPTrainConfig
 
-    return MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab, lam=a.mtp_lambda, w_reg=a.mtp_w_reg)
+    return MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab, lam=a.mtp_lambda, w_reg=a.mtp_w_reg,
+                          current_token=a.mtp_current_token)
 
 
 def _mtp(a, train_cfg: TrainConfig) -> int:

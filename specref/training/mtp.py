@@ -23,6 +23,7 @@ whose LM head gives p of the same token x_{i+d+1}): w_reg * mean_d SmoothL1 over
 states. In DeepSeek-V3 the main model trains beside the modules; on a frozen target this gives
 each module the target's next state as a dense target, as EAGLE's head gets (EAGLE's ablation of
 the loss weights: docs/training.md, lever ii). lam = 0.1 with w_reg = 1.0 is EAGLE's ratio.
+`current_token` (mtp.py's option) feeds module d at i the true token x_{i+d-1} as its third input.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ import torch.nn.functional as F
 
 from ..mtp import MTPStack, save_mtp
 from ..target import additive_mask
-from ..weights import copy_weights, fingerprint
+from ..eagle_head import FORMAT as EAGLE_FORMAT
+from ..weights import copy_weights, fingerprint, read_weights
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout, train_record
@@ -51,6 +53,8 @@ class MTPTrainConfig:
     draft_vocab: int = 8192  # Vd: most frequent tokens of the training responses (>= V: all)
     lam: float = 1.0  # lambda, the weight of L_MTP (the report: 0.3, then 0.1, beside the main loss)
     w_reg: float = 0.0  # weight of EAGLE's feature regression at every depth (0: the report's CE only)
+    current_token: bool = False  # modules also read the token before the one they embed (mtp.py); with --init,
+    # zero columns added to the file's modules
     heldout_fraction: float = 0.05  # sequences held out (the one-command run only)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,8 @@ class MTPTrainConfig:
             raise ValueError(f"lam must be a number > 0, got {self.lam!r}")
         if isinstance(self.w_reg, bool) or not (isinstance(self.w_reg, (int, float)) and self.w_reg >= 0):
             raise ValueError(f"w_reg must be a number >= 0, got {self.w_reg!r}")
+        if not isinstance(self.current_token, bool):
+            raise ValueError(f"current_token must be a bool, got {self.current_token!r}")
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
 
@@ -92,7 +98,8 @@ class MTPTask:
             pos = torch.arange(Q, device=h.device).expand(B, Q)  # (B, Q)
             causal = pos.unsqueeze(2) >= pos.unsqueeze(1)  # (B, Q, Q)
             mask = additive_mask(causal & batch.attention[:, d:].unsqueeze(1), h.dtype)  # (B, 1, Q, Q)
-            h = self.module(d - 1, h[:, :Q], batch.tokens[:, d:], pos, mask)  # (B, Q, D) h^d_i
+            cur = batch.tokens[:, d - 1:T - 1]  # (B, Q) t_{i+d-1}, read by a current_token stack
+            h = self.module(d - 1, h[:, :Q], batch.tokens[:, d:], pos, mask, cur_tokens=cur)  # (B, Q, D) h^d_i
             out.append(h)
         return out
 
@@ -155,7 +162,8 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
     """Train MTP modules for the frozen `target` on sequences WITH `features` (the target's final
     normed states, (L, D)) and stored top-k; write them to out_path (safetensors, through
     specref.weights: the target's fingerprint, a record with the settings and held-out numbers).
-    init: a file (save_mtp's) to continue from, its modules and draft vocabulary kept.
+    init: a file (save_mtp's) to continue from, its modules and draft vocabulary kept, or an
+    EAGLE-1 head's file (save_eagle's) whose head every module starts as (mtp.mtp_from_eagle).
     -> (the trained stack, fit's result)."""
     for name, seqs in (("train_seqs", train_seqs), ("heldout_seqs", heldout_seqs)):
         bad = [i for i, s in enumerate(seqs) if s.features is None or s.topk_ids is None]
@@ -163,20 +171,29 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
             raise ValueError(f"{name}[{bad[0]}] has no features or no stored top-k: attach the target's "
                              "final normed states (L, D) as Seq.features and distil with topk > 0")
     V = int(target.get_output_embeddings().weight.shape[0])
-    if init is not None:
+    cur = True if mtp_cfg.current_token else None  # None: the file's inputs
+    if init is not None and read_weights(init, names=())[1].get("format") == EAGLE_FORMAT:
+        from ..eagle_head import load_eagle
+        from ..mtp import mtp_from_eagle
+
+        stack = mtp_from_eagle(target, load_eagle(target, init, current_token=cur), mtp_cfg.num_modules)
+        record = {**(record or {}), "init": Path(str(init)).name, "init_from": "eagle"}
+    elif init is not None:
         from ..mtp import load_mtp
 
-        stack = load_mtp(target, init)
+        stack = load_mtp(target, init, cur)
         record = {**(record or {}), "init": Path(str(init)).name}
     else:
         token_map = build_token_map(train_seqs, V, min(mtp_cfg.draft_vocab, V))
-        stack = MTPStack(target, token_map, num_modules=mtp_cfg.num_modules, seed=train_cfg.seed)
+        stack = MTPStack(target, token_map, num_modules=mtp_cfg.num_modules, seed=train_cfg.seed,
+                         current_token=mtp_cfg.current_token)
     result = fit(MTPTask(stack, mtp_cfg), train_seqs, heldout_seqs, train_cfg, out_dir=checkpoint_dir,
                  progress=progress, log=log)
     stack.eval()
     if is_main_process():  # data-parallel runs: the main process writes the file
         final = result.history[-1] if result.history else {}
-        shape = {"num_modules": stack.num_modules, "draft_vocab": int(stack.token_map.numel())}  # --init: the file's
+        shape = {"num_modules": stack.num_modules, "draft_vocab": int(stack.token_map.numel()),
+                 "current_token": stack.current_token}  # --init: the file's
         rec = {**(record or {}), "train": train_record(train_cfg, result), "mtp": {**asdict(mtp_cfg), **shape},
                "train_seconds": result.seconds,
                "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},

@@ -240,10 +240,12 @@ def test_levers_reach_their_settings(monkeypatch, tmp_path):
 
     monkeypatch.setattr(mtp_training, "run_mtp_training",
                         lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
-    cli.train_main(["--method", "mtp", "--store", "S", "--mtp-modules", "2", "--mtp-lambda", "0.1", "--mtp-w-reg", "1"])
-    assert (seen["cfg"].num_modules, seen["cfg"].lam, seen["cfg"].w_reg) == (2, 0.1, 1.0)
+    cli.train_main(["--method", "mtp", "--store", "S", "--mtp-modules", "2", "--mtp-lambda", "0.1", "--mtp-w-reg", "1",
+                    "--mtp-current-token"])
+    assert (seen["cfg"].num_modules, seen["cfg"].lam, seen["cfg"].w_reg) == (2, 0.1, 1.0) and seen["cfg"].current_token
     cli.train_main(["--method", "mtp", "--store", "S"])
     assert (seen["cfg"].lam, seen["cfg"].w_reg) == (1.0, 0.0)  # the report's objective by default
+    assert not seen["cfg"].current_token  # and the report's inputs
 
     class Stop(Exception):
         pass
