@@ -186,7 +186,7 @@ def test_current_token_modules_start_as_the_file_and_round_trip(trained, tmp_pat
     assert len(seen) == 2
     cfg = TrainConfig(steps=3, batch_size=8, lr=1e-3, warmup_steps=1, eval_every=3, seed=0)
     run_mtp_training(target, train, held, cfg, MTPTrainConfig(current_token=True), tmp_path / "c.safetensors",
-                            progress=False, log=lambda s: None, init=path)
+                     progress=False, log=lambda s: None, init=path)
     assert mtp_info(tmp_path / "c.safetensors")["record"]["mtp"]["current_token"] is True
     again, _ = run_mtp_training(target, train, held, cfg, MTPTrainConfig(), tmp_path / "c2.safetensors",
                                 progress=False, log=lambda s: None, init=tmp_path / "c.safetensors")
@@ -209,7 +209,7 @@ def test_modules_from_an_eagle_head(trained, tmp_path, current):
     head = EagleHead(target, stack.token_map, seed=4, current_token=current).eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for n, q in head.trainable():  # a head whose every weight matters (current_token's columns too)
+        for _, q in head.trainable():  # a head whose every weight matters (current_token's columns too)
             q.add_(torch.randn(q.shape, generator=g) * 0.05)
     h = torch.randn(2, 6, 32, generator=g)  # (2, 6, D)
     x, c = torch.randint(0, V, (2, 6), generator=g), torch.randint(0, V, (2, 6), generator=g)  # (2, 6) each

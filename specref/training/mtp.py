@@ -36,9 +36,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..eagle_head import FORMAT as EAGLE_FORMAT
 from ..mtp import MTPStack, save_mtp
 from ..target import additive_mask
-from ..eagle_head import FORMAT as EAGLE_FORMAT
 from ..weights import copy_weights, fingerprint, read_weights
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
