@@ -408,12 +408,7 @@ def load_eagle(target: torch.nn.Module, path=WEIGHTS, extra_layers: Optional[int
                      current_token=has_cur if current_token is None else current_token)
     added = tuple(f"extra.{i}." for i in range(have, head.num_layers - 1)) + (() if has_cur else ("norm_c.",))
     expected = {n: q for n, q in head.trainable() if not n.startswith(added)}
-    if head.current_token and not has_cur:  # the file's two-input FC into the first 2D columns
-        D = head.hidden_size
-        expected["fc.weight"] = torch.nn.Parameter(head.fc.weight.detach()[:, : 2 * D].clone())
-        load_tensors(path, expected, "EAGLE head")
-        with torch.no_grad():
-            head.fc.weight[:, : 2 * D].copy_(expected["fc.weight"])
-    else:
-        load_tensors(path, expected, "EAGLE head")
+    if head.current_token and not has_cur:  # the file's two-input FC into the first 2D columns (a view)
+        expected["fc.weight"] = head.fc.weight.detach()[:, : 2 * head.hidden_size]
+    load_tensors(path, expected, "EAGLE head")
     return head.eval()

@@ -350,16 +350,10 @@ def load_mtp(target: torch.nn.Module, path=WEIGHTS, current_token: Optional[bool
     stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)),
                      current_token=has_cur if current_token is None else current_token)
     expected = {n: q for n, q in stack.trainable() if has_cur or ".cnorm." not in n}
-    widen = stack.current_token and not has_cur
-    if widen:  # each file's two-input projection into the first 2D columns
-        D = stack.hidden_size
+    if stack.current_token and not has_cur:  # each file's two-input projection into the first 2D columns (views)
         for d, m in enumerate(stack.layers):
-            expected[f"layers.{d}.eh_proj.weight"] = torch.nn.Parameter(m.eh_proj.weight.detach()[:, : 2 * D].clone())
+            expected[f"layers.{d}.eh_proj.weight"] = m.eh_proj.weight.detach()[:, : 2 * stack.hidden_size]
     load_tensors(path, expected, "MTP modules")
-    if widen:
-        with torch.no_grad():
-            for d, m in enumerate(stack.layers):
-                m.eh_proj.weight[:, : 2 * D].copy_(expected[f"layers.{d}.eh_proj.weight"])
     return stack.eval()
 
 

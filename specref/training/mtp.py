@@ -36,8 +36,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..eagle_head import FORMAT as EAGLE_FORMAT
-from ..mtp import MTPStack, save_mtp
+from ..eagle_head import FORMAT as EAGLE_FORMAT, load_eagle
+from ..mtp import MTPStack, load_mtp, mtp_from_eagle, save_mtp
 from ..target import additive_mask
 from ..weights import copy_weights, fingerprint, read_weights
 from .data import Batch, Seq
@@ -173,14 +173,9 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
     V = int(target.get_output_embeddings().weight.shape[0])
     cur = True if mtp_cfg.current_token else None  # None: the file's inputs
     if init is not None and read_weights(init, names=())[1].get("format") == EAGLE_FORMAT:
-        from ..eagle_head import load_eagle
-        from ..mtp import mtp_from_eagle
-
         stack = mtp_from_eagle(target, load_eagle(target, init, current_token=cur), mtp_cfg.num_modules)
         record = {**(record or {}), "init": Path(str(init)).name, "init_from": "eagle"}
     elif init is not None:
-        from ..mtp import load_mtp
-
         stack = load_mtp(target, init, cur)
         record = {**(record or {}), "init": Path(str(init)).name}
     else:
