@@ -19,7 +19,7 @@ from .generate import GenerationOutput, GenerationStats, NullProposer, autoregre
 from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
-from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
+from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, load_medusa
 from .mlp_speculator import (MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator,
                              load_published_mlp_speculator)
 from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
@@ -56,7 +56,7 @@ __all__ = [  # sorted
     "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",
-    "chi_square_two_sample", "detectable_tv", "expected_tokens", "joint_index", "load_default",
+    "chi_square_two_sample", "detectable_tv", "expected_tokens", "hydra_from_medusa", "joint_index", "load_default",
     "load_eagle", "load_eagle3", "load_medusa", "load_mlp_speculator", "load_mtp", "load_native_mtp",
     "load_published_mlp_speculator", "load_trained_draft",
     "logits_to_probs", "make_generators", "measure_cost", "measure_verify_cost", "optimal_k",

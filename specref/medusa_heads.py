@@ -26,6 +26,21 @@ built from measured head accuracies that the trained file stores). Acceptance (M
 - "typical": Medusa's typical acceptance (typical.py, Sec. 2.3.1), LOSSY.
 Training (Medusa-1, frozen target): training/medusa.py. Left out: Medusa-2 (joint training with
 the target), self-distillation on the target's own answers (the data is training's business).
+
+Hydra (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding", Sec. 3):
+Medusa's head k cannot know which tokens the tree put before its own; a Hydra head reads them.
+`sequential=True` gives head k an input projection over h_t and the input embeddings of the k
+tokens before its position, x_{t+1} .. x_{t+k} (the pending token and the path's drafts):
+
+    u_t^(k) = W_in^(k) [h_t; e(x_{t+1}); ...; e(x_{t+k})]      W_in^(k) in R^{D x (k+1)D}
+    p_t^(k) = softmax(W_2 (SiLU(W_1^(k) u + b^(k)) + u))
+
+W_in starts as [I | 0], so a fresh (or Medusa-started: `hydra_from_medusa`) head is the Medusa
+head. The tree keeps Medusa's choices, but a node's rank-i token is now the head's rank-i token
+given the node's own path, so the proposer expands the tree level by level, one head call per
+distinct parent. The drafts remain a function of the history (siblings "deterministic"): the
+acceptance is unchanged and lossless. Left out: Hydra++'s prefix-attention layer and its
+teacher-distillation objective (our labels already are the target's own distribution).
 """
 from __future__ import annotations
 
@@ -46,6 +61,7 @@ from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_tra
 
 FORMAT = "specref-medusa-1"
 WEIGHTS = FOLDER / "smollm2_135m_medusa.safetensors.xz"
+HYDRA_WEIGHTS = FOLDER / "smollm2_135m_hydra.safetensors.xz"  # sequential heads, the same format
 
 
 class ResBlock(torch.nn.Module):
@@ -66,7 +82,7 @@ class MedusaHeads(torch.nn.Module):
     the draft vocabulary token_map (default: the whole vocabulary)."""
 
     def __init__(self, target: torch.nn.Module, num_heads: int = 3, token_map: Optional[torch.Tensor] = None, *,
-                 num_layers: int = 1, own_lm_head: bool = False):
+                 num_layers: int = 1, own_lm_head: bool = False, sequential: bool = False):
         super().__init__()
         out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
         if out is None or not hasattr(out, "weight"):
@@ -93,15 +109,54 @@ class MedusaHeads(torch.nn.Module):
                 lm.weight.requires_grad_(own_lm_head)
         self.register_buffer("token_map", token_map.to(dev), persistent=False)  # (Vd,)
         self.choices: Optional[List[Tuple[int, ...]]] = None  # the tree a trained file ships, if any
+        self.sequential = bool(sequential)
+        if self.sequential:  # Hydra: head k also reads the embeddings of the k tokens before its position
+            emb = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else None
+            if emb is None:
+                raise ValueError(f"{type(target).__name__} has no input embedding; Hydra heads need one")
+            self._embed = (emb,)  # not a submodule: the target's, never trained or saved
+            self.inputs = torch.nn.ModuleList(
+                torch.nn.Linear((k + 1) * D, D, bias=False) for k in range(1, num_heads + 1)).to(dev, dt)
+            with torch.no_grad():
+                for lin in self.inputs:  # [I | 0]: the Medusa head until training says otherwise
+                    lin.weight.zero_()
+                    lin.weight[:, :D].copy_(torch.eye(D))
 
-    def forward(self, h: torch.Tensor, heads: Optional[int] = None) -> torch.Tensor:
-        """h (..., D) final normed states -> logits (..., heads, Vd) of the first `heads` heads."""
+    def head(self, k: int, h: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Head k (1-based) on h (..., D) -> logits (..., Vd). Sequential heads also need tokens
+        (..., k): the target ids of x_{t+1} .. x_{t+k}, the tokens before the position head k drafts."""
+        x = h
+        if self.sequential:
+            if tokens is None or tokens.shape[-1] != k or tokens.shape[:-1] != h.shape[:-1]:
+                raise ValueError(f"Hydra head {k} needs tokens of shape {tuple(h.shape[:-1]) + (k,)}, got "
+                                 f"{None if tokens is None else tuple(tokens.shape)}")
+            with torch.no_grad():
+                e = self._embed[0](tokens.clamp(min=0)).to(h.dtype)  # (..., k, D)
+            x = self.inputs[k - 1](torch.cat([h, e.flatten(-2)], dim=-1))  # (..., D)
+        return self.lm_heads[(k - 1) if self.own_lm_head else 0](self.blocks[k - 1](x))  # (..., Vd)
+
+    def forward(self, h: torch.Tensor, heads: Optional[int] = None, tokens: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """h (..., D) final normed states -> logits (..., heads, Vd) of the first `heads` heads
+        (sequential heads: tokens (..., heads), head k reading tokens[..., :k])."""
         n = self.num_heads if heads is None else heads
-        outs = [self.lm_heads[k if self.own_lm_head else 0](self.blocks[k](h)) for k in range(n)]  # (..., Vd) each
+        outs = [self.head(k, h, None if tokens is None else tokens[..., :k]) for k in range(1, n + 1)]  # (..., Vd) each
         return torch.stack(outs, dim=-2)  # (..., n, Vd)
 
     def trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return [(n, q) for n, q in self.named_parameters() if q.requires_grad]
+
+    def deepen(self, num_layers: int) -> "MedusaHeads":
+        """Append zero-initialised ResBlocks (the identity) to every head up to num_layers: deeper
+        heads whose logits are these heads' until training moves the new blocks."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < self.num_layers:
+            raise ValueError(f"num_layers must be an int >= the heads' {self.num_layers}, got {num_layers!r}")
+        w = self.lm_heads[0].weight
+        for seq in self.blocks:
+            for _ in range(num_layers - self.num_layers):
+                seq.append(ResBlock(self.hidden_size).to(w.device, w.dtype))
+        self.num_layers = num_layers
+        return self
 
 
 @dataclass(frozen=True)
@@ -145,6 +200,7 @@ class MedusaProposer:
         self.acceptance_rule = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                            if config.acceptance == "typical" else None)
         self.last: Optional[torch.Tensor] = None
+        self.levels = _levels(self.choices, self.parents.device) if heads.sequential else None
 
     def _store(self, ctx: Context) -> None:
         """Keep each row's newest feature: h at the token before the pending one."""
@@ -174,10 +230,13 @@ class MedusaProposer:
         if self.last is None:
             raise ValueError("MedusaProposer.propose() called before begin()")
         B, N = ctx.tokens.shape[0], self.k
-        z = self.heads(self.last, heads=self.depth)  # (B, depth, Vd)
-        top = z.topk(self.top_s, dim=-1).indices  # (B, depth, S) draft ids, most likely first
-        ids = top[:, self.head_of, self.rank]  # (B, N) node n: head_of[n]'s rank[n] token
-        tokens = self.heads.token_map[ids]  # (B, N) target ids
+        if self.levels is None:
+            z = self.heads(self.last, heads=self.depth)  # (B, depth, Vd)
+            top = z.topk(self.top_s, dim=-1).indices  # (B, depth, S) draft ids, most likely first
+            ids = top[:, self.head_of, self.rank]  # (B, N) node n: head_of[n]'s rank[n] token
+            tokens = self.heads.token_map[ids]  # (B, N) target ids
+        else:
+            tokens = self._sequential_tree(ctx)  # (B, N) target ids
         lengths = N * (ctx.active & self.has).long()  # (B,)
         tokens = torch.where(lengths[:, None] > 0, tokens, -1)  # (B, N)
         return Draft(tokens=tokens, lengths=lengths, parents=self.parents.expand(B, N).clone(),
@@ -185,6 +244,38 @@ class MedusaProposer:
 
     def update(self, ctx: Context, num_accepted: torch.Tensor) -> None:
         self._store(ctx)
+
+    def _sequential_tree(self, ctx: Context) -> torch.Tensor:
+        """Hydra: the tree level by level; head d runs once per distinct parent at depth d - 1, on
+        the path from the pending token x_r to that parent. -> (B, N) target ids."""
+        B, N, D = ctx.tokens.shape[0], self.k, self.heads.hidden_size
+        rows = torch.arange(B, device=ctx.tokens.device)
+        pending = ctx.tokens[rows, (ctx.lengths.to(rows.device) - 1).clamp(min=0)]  # (B,) x_r
+        tokens = torch.zeros(B, N, dtype=torch.long, device=pending.device)  # (B, N)
+        for d, (nodes, slot, paths) in enumerate(self.levels, start=1):
+            P = paths.shape[0]  # distinct parents at depth d - 1
+            path = torch.cat([pending[:, None, None].expand(B, P, 1), tokens[:, paths]], dim=-1)  # (B, P, d)
+            z = self.heads.head(d, self.last[:, None].expand(B, P, D), path)  # (B, P, Vd)
+            top = z.topk(self.top_s, dim=-1).indices  # (B, P, S)
+            tokens[:, nodes] = self.heads.token_map[top[:, slot, self.rank[nodes]]]  # (B, n_d)
+        return tokens
+
+
+def _levels(choices, device) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per depth d = 1..: (nodes (n_d,) the tree's nodes at depth d, slot (n_d,) each one's parent's
+    index among the level's distinct parents, paths (P_d, d - 1) those parents' paths as node
+    indices, root excluded)."""
+    index = {c: n for n, c in enumerate(choices)}
+    out = []
+    for d in range(1, max(len(c) for c in choices) + 1):
+        level = [c for c in choices if len(c) == d]
+        parents = sorted({c[:-1] for c in level}, key=lambda c: index.get(c, -1))
+        slot = [parents.index(c[:-1]) for c in level]
+        paths = [[index[p[:j]] for j in range(1, d)] for p in parents]
+        out.append((torch.tensor([index[c] for c in level], device=device),
+                    torch.tensor(slot, device=device),
+                    torch.tensor(paths, dtype=torch.long, device=device).view(len(parents), d - 1)))
+    return out
 
 
 @torch.no_grad()
@@ -195,10 +286,12 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
     t_target = median_block_times(tgt, [1], 200, 15, warmup=2)[1]
     w = heads.lm_heads[0].weight
     h = torch.randn(1, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, D)
+    n = heads.num_heads if depth is None else depth
+    tokens = torch.zeros(1, n, dtype=torch.long, device=w.device) if heads.sequential else None  # (1, n): one path
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
-        heads(h, heads=depth).topk(4, dim=-1)
+        heads(h, heads=depth, tokens=tokens).topk(4, dim=-1)
         device_sync(w.device)
         times.append(time.perf_counter() - t0)
     t_heads = sorted(times[2:])[reps // 2]
@@ -211,7 +304,8 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
 def save_medusa(path, heads: MedusaHeads, target_fingerprint: str, record: dict,
                 choices: Optional[List[Tuple[int, ...]]] = None, dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + architecture + the tree to ship + a record, as safetensors."""
-    arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head}
+    arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
+            "sequential": heads.sequential}
     save_trained(path, heads, FORMAT, target_fingerprint, record,
                  {"arch": json.dumps(arch), "choices": json.dumps(choices or [])}, dtype)
 
@@ -235,7 +329,26 @@ def load_medusa(target: torch.nn.Module, path=WEIGHTS) -> MedusaHeads:
                          "model's hidden states and mean nothing on another's")
     a = meta["arch"]
     heads = MedusaHeads(target, a.get("num_heads", 3), load_token_map(path), num_layers=a.get("num_layers", 1),
-                        own_lm_head=a.get("own_lm_head", False))
+                        own_lm_head=a.get("own_lm_head", False), sequential=a.get("sequential", False))
     load_tensors(path, dict(heads.trainable()), "Medusa heads")
     heads.choices = meta["choices"] or None
     return heads.eval()
+
+
+@torch.no_grad()
+def hydra_from_medusa(target: torch.nn.Module, heads: MedusaHeads, num_heads: Optional[int] = None) -> MedusaHeads:
+    """Hydra heads (sequential) that start as the first `num_heads` of Medusa `heads`: the same
+    ResBlocks, LM head and draft vocabulary, each input projection [I | 0]; their logits equal the
+    Medusa heads' until training moves W_in."""
+    if not isinstance(heads, MedusaHeads) or heads.sequential:
+        raise ValueError("hydra_from_medusa needs Medusa (not already sequential) MedusaHeads")
+    n = heads.num_heads if num_heads is None else num_heads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= heads.num_heads:
+        raise ValueError(f"num_heads must be an int in [1, {heads.num_heads}], got {num_heads!r}")
+    out = MedusaHeads(target, n, heads.token_map, num_layers=heads.num_layers, own_lm_head=heads.own_lm_head,
+                      sequential=True)
+    for k in range(n):
+        out.blocks[k].load_state_dict(heads.blocks[k].state_dict())
+    for k in range(len(out.lm_heads)):
+        out.lm_heads[k].weight.copy_(heads.lm_heads[k].weight)
+    return out.eval()

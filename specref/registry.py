@@ -37,13 +37,16 @@ METHODS: Dict[str, str] = {
     "medusa": "Medusa heads over their shipped tree, lossless acceptance",
     "medusa_typical": "Medusa heads with typical acceptance (LOSSY at T > 0)",
     "hybrid_medusa": "prompt lookup where it matches, else the Medusa heads' tree",
+    "hydra": "Hydra's sequentially dependent heads over their shipped tree, lossless acceptance",
+    "hybrid_hydra": "prompt lookup where it matches, else the Hydra heads' tree",
     "mtp": "multi-token prediction modules, chain",
     "mlp_speculator": "MLP speculator (Wertheimer et al. 2024), chain of its n stages",
     "hybrid_mlp_speculator": "prompt lookup where it matches, else the MLP speculator's chain",
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
            "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
-           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "mtp": "mtp",
+           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "hydra": "hydra",
+           "hybrid_hydra": "hydra", "mtp": "mtp",
            "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator"}
 
 
@@ -54,7 +57,7 @@ def check_method(name: str) -> str:
     return name
 
 
-WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator")  # the learned proposers' weight files
+WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "hydra", "mtp", "mlp_speculator")  # the learned proposers' weight files
 
 
 def weights_item(s: str) -> tuple:
@@ -208,6 +211,19 @@ class Registry:
             return (load_published_medusa if is_published(path) else load_medusa)(self.model, path)
         return self._once("medusa", make)
 
+    def hydra_heads(self):
+        def make():
+            from .medusa_heads import HYDRA_WEIGHTS, MedusaHeads, load_medusa
+
+            if self.kind == "tiny":  # untrained heads: exercises the code path only
+                return MedusaHeads(self.model, 3, torch.arange(0, self.V, 2), sequential=True)
+            heads = load_medusa(self.model, self._path("hydra", HYDRA_WEIGHTS))
+            if not heads.sequential:
+                raise ValueError("the hydra weights file holds Medusa heads, not sequential (Hydra) heads: pass it "
+                                 "as medusa, or train Hydra heads with `python -m specref train --method medusa --hydra`")
+            return heads
+        return self._once("hydra", make)
+
     def mtp_stack(self):
         """(modules, k = max(D, 3) unless draft_k)."""
         def make():
@@ -275,12 +291,12 @@ class Registry:
             head, ec = self.eagle(3)
             p = EagleProposer(head, ec)
             return p if name == "eagle3" else HybridProposer(NgramProposer(self.ngram_config()), p)
-        if name in ("medusa", "medusa_typical", "hybrid_medusa"):
+        if name in ("medusa", "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra"):
             from .medusa_heads import MedusaConfig, MedusaProposer
 
             mc = MedusaConfig(acceptance="typical" if name == "medusa_typical" else "lossless")
-            p = MedusaProposer(self.medusa_heads(), mc)
-            return p if name != "hybrid_medusa" else HybridProposer(NgramProposer(self.ngram_config()), p)
+            p = MedusaProposer(self.hydra_heads() if "hydra" in name else self.medusa_heads(), mc)
+            return p if not name.startswith("hybrid") else HybridProposer(NgramProposer(self.ngram_config()), p)
         if name in ("mlp_speculator", "hybrid_mlp_speculator"):
             from .mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorProposer
 
@@ -335,6 +351,11 @@ class Registry:
                 return f"specref n-gram, else Medusa heads ({n}-node tree; {costs(self.ngram_config())})"
             rule = "typical acceptance, LOSSY at T > 0" if name == "medusa_typical" else "lossless"
             return f"specref Medusa heads ({heads.num_heads} heads, {n}-node tree; {rule})"
+        if name in ("hydra", "hybrid_hydra"):
+            heads, n = self.hydra_heads(), self.proposer("hydra").k
+            if name == "hybrid_hydra":
+                return f"specref n-gram, else Hydra heads ({n}-node tree; {costs(self.ngram_config())})"
+            return f"specref Hydra heads ({heads.num_heads} sequential heads, {n}-node tree; lossless)"
         if name in ("mlp_speculator", "hybrid_mlp_speculator"):
             spec, k = self.mlp_speculator()
             what = f"MLP speculator (n={spec.n_predict}, k={k}{', tied' if spec.tie_weights else ''})"

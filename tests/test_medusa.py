@@ -11,11 +11,13 @@ from _stats import power_sample_size
 from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
-from specref.medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa, save_medusa
+from specref.medusa_heads import (MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, load_medusa,
+                                  save_medusa)
 from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expected_accepted, greedy_tree,
                                  tree_arrays)
 from specref.models import tiny_model
 from specref.oracle.exact import hf_joint_distribution
+from specref.proposer import Context
 from specref.sampling import SamplingConfig
 from specref.training.draft import build_token_map
 from specref.training.loop import TrainConfig, fit, split_heldout
@@ -252,3 +254,98 @@ def test_hybrid_with_medusa_trees(trained):
     assert min(prop.source_counts) > 1000, prop.source_counts
     with pytest.raises(ValueError, match="verifies losslessly"):
         make("typical")
+
+
+# ----------------------------------------------------------------------------- Hydra (sequential heads)
+
+
+@pytest.fixture(scope="module")
+def hydra(trained):
+    """(target, Medusa heads, Hydra heads started from them and trained 150 more steps, history)."""
+    target, heads, _ = trained
+    train, held = split_heldout(_data(target, 160), 0.2, seed=0)
+    seq = hydra_from_medusa(target, heads)
+    cfg = TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=150, seed=0)
+    res = fit(MedusaTask(seq, MedusaTrainConfig(ranks=4)), train, held, cfg, progress=False, log=lambda s: None)
+    return target, heads, seq.eval(), res.history
+
+
+def test_hydra_starts_as_medusa_and_learns_from_the_tokens(trained, hydra):
+    """hydra_from_medusa: the same logits as the Medusa heads whatever the tokens; training its input
+    projections then raises every head's held-out agreement above where Medusa's training left it."""
+    target, heads, seq, hist = hydra
+    h = torch.randn(7, heads.hidden_size)
+    toks = torch.randint(0, V, (7, 3))
+    start = hydra_from_medusa(target, heads)
+    assert torch.allclose(start(h, tokens=toks), heads(h), atol=1e-6)
+    assert torch.equal(start.deepen(3)(h, tokens=toks), start(h, tokens=toks)) and start.num_layers == 3  # identity
+    assert len(start.blocks[0]) == 3 and len(dict(start.trainable())) > len(dict(seq.trainable()))
+    with pytest.raises(ValueError, match="num_layers must be an int >= the heads' 3"):
+        start.deepen(2)
+    a0, a1 = rank_accuracies(hist[0], 3, 4), rank_accuracies(hist[-1], 3, 4)
+    assert np.allclose(a0, rank_accuracies(trained[2][-1], 3, 4))  # its first evaluation is Medusa's last
+    assert (a1[:, 0] > a0[:, 0] + 0.02).all(), (a0, a1)
+    assert not torch.allclose(seq.head(1, h, toks[:, :1]), seq.head(1, h, (toks[:, :1] + 1) % V))  # reads x_{t+1}
+    with pytest.raises(ValueError, match="Hydra head 2 needs tokens of shape"):
+        seq.head(2, h, toks[:, :1])
+    with pytest.raises(ValueError, match="not already sequential"):
+        hydra_from_medusa(target, seq)
+
+
+def test_hydra_tree_is_each_heads_top_tokens_given_the_nodes_path(hydra):
+    """Node (i_1, .., i_d) is the rank-i_d token of head d given x_r and the tokens of its ancestors."""
+    _, _, seq, _ = hydra
+    choices = check_choices(SMALL, 3)
+    g = torch.Generator().manual_seed(0)
+    differ = 0
+    for _ in range(8):
+        ids = torch.randint(0, V, (2, 6), generator=g)  # the last: the pending x_r
+        feats = 3 * torch.randn(2, 5, seq.hidden_size, generator=g)  # (B, W, D) any features
+        ctx = Context(tokens=ids, lengths=torch.tensor([6, 6]), active=torch.tensor([True, True]), hidden=feats,
+                      hidden_len=torch.tensor([5, 5]))
+        prop = MedusaProposer(seq, MedusaConfig(choices=SMALL))
+        prop.begin(ctx, SamplingConfig(0.0), None)
+        d = prop.propose(ctx, SamplingConfig(0.0), None)
+        for b in range(2):
+            got = dict(zip(choices, d.tokens[b].tolist()))
+            for c in choices:
+                path = [int(ids[b, 5])] + [got[c[:j]] for j in range(1, len(c))]
+                z = seq.head(len(c), feats[b, -1], torch.tensor(path))  # (Vd,)
+                assert got[c] == int(seq.token_map[z.topk(c[-1] + 1).indices[-1]]), (b, c)
+            differ += got[(0, 0)] != got[(1, 0)]
+    assert differ > 0  # depth 2 depends on its parent: Medusa's tree would repeat head 2's top token
+
+
+def test_hydra_greedy_parity_and_batch_independence(hydra):
+    target, _, seq, _ = hydra
+    ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(4))
+    mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
+    sp = speculative_generate(target, MedusaProposer(seq, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
+                              max_new_tokens=20, temperature=0, eos_token_id=7)
+    assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
+    assert sp.stats.tokens_per_forward > 1.2, sp.stats
+    for b in range(4):
+        one = speculative_generate(target, MedusaProposer(seq, MedusaConfig(choices=SHAPES["wide"])), ids[b:b + 1],
+                                   mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
+        assert one.row(0) == sp.row(b)
+
+
+@pytest.mark.two_threads
+def test_hydra_lossless_tree_sampling_whole_loop(hydra):
+    """The Medusa chi-square (first 2 tokens, 256 cells, 50,000 rows, power >= 0.99 against TV 0.02)
+    on Hydra's trees: siblings still a function of the history, so the acceptance stays exact."""
+    target, _, seq, _ = hydra
+    exact, res, tv, s = _joint_run((target, seq, None), 1.0, 0, "lossless", 50_000, 2, 6)
+    assert res.p_value > 1e-3, (res, tv)
+    assert s.num_accepted_tokens > 10_000 and s.num_draft_tokens - s.num_accepted_tokens > 10_000, s
+
+
+def test_hydra_weights_round_trip(hydra, tmp_path):
+    target, _, seq, _ = hydra
+    save_medusa(tmp_path / "y.safetensors", seq, __import__("specref").weights.fingerprint(target), {},
+                choices=[(0,), (0, 0)])
+    again = load_medusa(target, tmp_path / "y.safetensors")
+    assert again.sequential and again.choices == [(0,), (0, 0)]
+    h, toks = torch.randn(5, seq.hidden_size), torch.randint(0, V, (5, 3))
+    assert torch.allclose(again(h, tokens=toks), seq(h, tokens=toks), atol=3e-2)  # stored as float16

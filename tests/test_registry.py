@@ -46,6 +46,17 @@ def test_custom_model_needs_named_weights(model, tmp_path):
     save_eagle(path, head, fingerprint(model), {"note": "test"}, dtype=torch.float32)
     p = Registry(model, kind="custom", weights={"eagle": str(path)}).proposer("eagle")
     assert isinstance(p, EagleProposer) and torch.equal(p.head.fc.weight, head.fc.weight)
+    from specref.medusa_heads import MedusaHeads, save_medusa
+
+    for sequential in (False, True):  # hydra: a file of sequential heads; a Medusa file is refused by name
+        save_medusa(tmp_path / "m.safetensors", MedusaHeads(model, 3, torch.arange(0, 64, 2), sequential=sequential),
+                    fingerprint(model), {})
+        reg = Registry(model, kind="custom", weights={"hydra": str(tmp_path / "m.safetensors")})
+        if sequential:
+            assert reg.proposer("hydra").heads.sequential and reg.proposer("hybrid_hydra").k >= 1
+        else:
+            with pytest.raises(ValueError, match="holds Medusa heads, not sequential"):
+                reg.proposer("hydra")
 
 
 def test_fit_verify_cost():

@@ -13,7 +13,8 @@ so its head scatters the Vd logits into the full V with -inf elsewhere: the same
 outside the map in both. EAGLE runs the committed EAGLE-1 head (eagle_head.py) as a chain; Medusa
 the committed heads (medusa_heads.py) over the tree their file ships, with lossless acceptance
 (`medusa`) or Medusa's typical acceptance (`medusa_typical`, lossy at T > 0, equal to `medusa` at
-T = 0); `hf_static` is transformers' generate with its static cache (which it compiles itself on
+T = 0); Hydra (`hydra`, `hybrid_hydra`) the committed sequentially dependent heads of the same
+file format over their tree; `hf_static` is transformers' generate with its static cache (which it compiles itself on
 CUDA: the baseline a compiled specref `ar` must match); MTP the committed modules (mtp.py) as a
 chain of k = max(D, 3); the MLP speculator (mlp_speculator.py) its committed stages as a chain of
 k = n_predict, alone or behind prompt lookup (`hybrid_mlp_speculator`); EAGLE-2 (`eagle2`, eagle_tree.py) the same EAGLE-1 head growing a dynamic
@@ -38,8 +39,8 @@ from ..target import Target
 
 ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",
                "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
-               "medusa_typical", "hybrid_medusa", "mtp", "mlp_speculator", "hybrid_mlp_speculator", "hf_pld",
-               "hf_assist")
+               "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp", "mlp_speculator",
+               "hybrid_mlp_speculator", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):

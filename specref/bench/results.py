@@ -51,6 +51,8 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "medusa": ("Cai et al. 2024 (Medusa)", "`MedusaProposer`", "lossless", "09"),
     "medusa_typical": ("Cai et al. 2024 (typical acceptance)", "`MedusaProposer`", "**lossy** at T > 0", "09"),
     "hybrid_medusa": ("prompt lookup + Medusa", "`HybridProposer`", "lossless", "09"),
+    "hydra": ("Ankner et al. 2024 (Hydra)", "`MedusaProposer`", "lossless", "09"),
+    "hybrid_hydra": ("prompt lookup + Hydra", "`HybridProposer`", "lossless", "09"),
     "mtp": ("Gloeckle et al. 2024; DeepSeek-V3 (MTP)", "`MTPProposer`", "lossless", "11"),
     "mlp_speculator": ("Wertheimer et al. 2024 (MLP speculator)", "`MLPSpeculatorProposer`", "lossless", "-"),
     "hybrid_mlp_speculator": ("prompt lookup + MLP speculator", "`HybridProposer`", "lossless", "-"),

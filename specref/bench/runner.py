@@ -24,6 +24,8 @@ after one untimed warm-up call of each method (32 tokens). Methods:
   medusa     specref Medusa heads over the tree their file ships (lossless tree acceptance)
   medusa_typical  the same heads with Medusa's typical acceptance (LOSSY at T > 0)
   hybrid_medusa   prompt lookup, else the Medusa heads' tree (HybridProposer, mode "select")
+  hydra      specref Hydra heads (sequentially dependent Medusa heads) over their tree (lossless)
+  hybrid_hydra    prompt lookup, else the Hydra heads' tree
   mtp        specref DeepSeek-V3-style MTP modules trained on the frozen target (chain)
   mlp_speculator         specref MLP speculator (Wertheimer et al. 2024) trained on the frozen target (chain)
   hybrid_mlp_speculator  prompt lookup, else the MLP speculator's chain

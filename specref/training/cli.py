@@ -67,6 +67,11 @@ def _train_main(argv=None) -> int:
                     "(training/streamed.py): stores larger than memory")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
     ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
+    ap.add_argument("--medusa-layers", type=int, default=MedusaTrainConfig.num_layers,
+                    help="medusa: ResBlocks per head; with --init, identity blocks are appended to reach it")
+    ap.add_argument("--hydra", action="store_true", help="medusa: Hydra's sequentially dependent heads (each "
+                    "also reads the tokens before its position); with --init of a Medusa file, they start as "
+                    "its first --medusa-heads heads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
@@ -201,7 +206,8 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     """Medusa-1 heads of the default model on the feature store; saved to the run folder and --export."""
     from .medusa import run_medusa_training
 
-    cfg = MedusaTrainConfig(num_heads=a.medusa_heads, draft_vocab=a.draft_vocab, own_lm_head=a.own_lm_head)
+    cfg = MedusaTrainConfig(num_heads=a.medusa_heads, num_layers=a.medusa_layers, draft_vocab=a.draft_vocab,
+                            own_lm_head=a.own_lm_head, sequential=a.hydra)
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
                         init=a.init)

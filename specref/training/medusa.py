@@ -9,6 +9,9 @@ The label here is the target's own distribution at position t+k (its stored top-
 soft cross-entropy over the heads' draft vocabulary): what the target would sample, the
 self-distillation the paper recommends (Sec. 2.3.2) without generating text.
 
+Hydra heads (`sequential`, medusa_heads.py) also read the tokens x_{t+1} .. x_{t+k}, teacher
+forced from the data, as Hydra trains them (Ankner et al. 2024, Sec. 3).
+
 Held-out metrics per head k: top1 (the head's argmax = the target's argmax at t+k) and, for the
 tree builder (medusa_tree.best_tree), the rate at which each rank i < `ranks` of the head is the
 target's argmax: a_k(i). `run_medusa_training` trains, measures the verify-cost curve and the
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from ..costs import measure_verify_cost
-from ..medusa_heads import MedusaHeads, measure_heads_cost, save_medusa
+from ..medusa_heads import MedusaHeads, hydra_from_medusa, load_medusa, measure_heads_cost, save_medusa
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
@@ -39,9 +42,10 @@ class MedusaTrainConfig:
     """Settings of Medusa-1 head training."""
 
     num_heads: int = 3  # K: heads for positions t+2 .. t+K+1
-    num_layers: int = 1  # ResBlocks per head (Medusa's default: 1)
+    num_layers: int = 1  # ResBlocks per head (Medusa's default: 1); with init, more appends identity blocks
     draft_vocab: int = 8192  # Vd: most frequent target tokens of the data (0: the whole vocabulary)
     own_lm_head: bool = False  # True: each head trains its own copy of the LM head (Medusa-1's)
+    sequential: bool = False  # True: Hydra's sequentially dependent heads (medusa_heads.py)
     decay: float = 0.8  # lambda: head k's loss weight is decay ** k
     ranks: int = 8  # held-out: per-rank accuracies a_k(i) for i < ranks (the tree builder's input)
     heldout_fraction: float = 0.05  # sequences held out
@@ -79,8 +83,11 @@ class MedusaTask:
         T = batch.tokens.shape[1]
         m = batch.loss_mask[:, k:] & batch.attention[:, :T - k]  # (B, T-k) label at t+k, feature at t
         h = batch.features[:, :T - k][m].float()  # (N, D)
-        blk, lm = self.module.blocks[k - 1], self.module.lm_heads[(k - 1) if self.module.own_lm_head else 0]
-        logq = torch.log_softmax(lm(blk(h.to(lm.weight.dtype))).float(), dim=-1)  # (N, Vd)
+        toks = None
+        if self.module.sequential:  # Hydra: teacher-forced x_{t+1} .. x_{t+k}
+            toks = torch.stack([batch.tokens[:, j:T - k + j] for j in range(1, k + 1)], dim=-1)[m]  # (N, k)
+        dt = self.module.lm_heads[0].weight.dtype
+        logq = torch.log_softmax(self.module.head(k, h.to(dt), toks).float(), dim=-1)  # (N, Vd)
         ids = batch.topk_ids[:, k:][m]  # (N, Kp) target ids
         p = batch.topk_logprobs[:, k:][m].exp()  # (N, Kp)
         d = self.inv[ids]  # (N, Kp) draft ids, -1 outside the draft vocabulary
@@ -132,18 +139,23 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
     init: a file (save_medusa's) to continue from, its heads and draft vocabulary kept."""
     V = target.get_output_embeddings().weight.shape[0]
     if init is not None:
-        from ..medusa_heads import load_medusa
-
         heads = load_medusa(target, init)
         data_record = {**(data_record or {}), "init": Path(str(init)).name}
+        if cfg.sequential and not heads.sequential:  # Hydra heads that start as the file's Medusa heads
+            heads = hydra_from_medusa(target, heads, min(cfg.num_heads, heads.num_heads))
+            data_record["init_from"] = "medusa"
+        if cfg.num_layers > heads.num_layers:  # identity ResBlocks appended: the file's logits at the start
+            data_record["init_layers"] = heads.num_layers
+            heads.deepen(cfg.num_layers)
     else:
         token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
         heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers,
-                            own_lm_head=cfg.own_lm_head)
+                            own_lm_head=cfg.own_lm_head, sequential=cfg.sequential)
     result = fit(MedusaTask(heads, cfg), as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     acc = rank_accuracies(final, heads.num_heads, cfg.ranks)  # the heads trained: --init keeps the file's K
     shape = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
+             "sequential": heads.sequential,
              "draft_vocab": int(heads.token_map.numel())}
     record = {"data": data_record or {}, "train": train_record(train_cfg, result), "medusa": {**asdict(cfg), **shape},
               "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),

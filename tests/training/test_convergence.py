@@ -108,6 +108,7 @@ def _head_runs(target, store, tmp_path):
     q = dict(progress=False, log=lambda *a: None)
     ecfg, e3cfg = EagleTrainConfig(draft_vocab=V), Eagle3TrainConfig(draft_vocab=V, ttt_steps=2)
     mcfg, tcfg = MedusaTrainConfig(num_heads=2, draft_vocab=V), MTPTrainConfig(draft_vocab=V)
+    ycfg = MedusaTrainConfig(num_heads=2, draft_vocab=V, sequential=True)
     dcfg = DraftTrainConfig(num_layers=1, draft_vocab=48)
     return {
         "eagle": (lambda i, o: run_eagle_store_training(target, *fin, TCFG, ecfg, o, init=i)["history"][0],
@@ -118,6 +119,9 @@ def _head_runs(target, store, tmp_path):
         "medusa": (lambda i, o: run_medusa_training(target, *fin, TCFG, mcfg, o, measure_costs=False,
                                                     init=i)["history"][0],
                    lambda f: MedusaTask(load_medusa(target, f), mcfg), fin[1]),
+        "hydra": (lambda i, o: run_medusa_training(target, *fin, TCFG, ycfg, o, measure_costs=False,
+                                                   init=i)["history"][0],
+                  lambda f: MedusaTask(load_medusa(target, f), ycfg), fin[1]),
         "mtp": (lambda i, o: run_mtp_training(target, *fin, TCFG, tcfg, o, init=i, **q)[1].history[0],
                 lambda f: MTPTask(load_mtp(target, f), tcfg), fin[1]),
         "draft": (lambda i, o: run_draft_store_training(target, *lean, TCFG, dcfg, o, init=i)["history"][0],
@@ -125,7 +129,7 @@ def _head_runs(target, store, tmp_path):
     }
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "mtp", "draft"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "hydra", "mtp", "draft"])
 def test_init_continues_from_the_saved_head(name, store, tmp_path):
     """`train --method NAME --init FILE`: the run's first held-out evaluation is the saved head's."""
     torch.manual_seed(0)
@@ -157,6 +161,15 @@ def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
     rec = run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=3, draft_vocab=32),
                               tmp_path / "m2.safetensors", measure_costs=False, init=tmp_path / "m.safetensors")
     assert (rec["medusa"]["num_heads"], rec["medusa"]["draft_vocab"], len(rec["heldout_top1"])) == (2, V, 2)
+    # Hydra heads from a Medusa file, deepened by an identity ResBlock: the first --medusa-heads of its heads,
+    # their first evaluation the file's
+    rec = run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True, num_layers=2),
+                              tmp_path / "y.safetensors", measure_costs=False, init=tmp_path / "m.safetensors")
+    assert (rec["medusa"]["num_heads"], rec["medusa"]["sequential"], rec["data"]["init_from"]) == (1, True, "medusa")
+    assert (rec["medusa"]["num_layers"], rec["data"]["init_layers"]) == (2, 1)
+    assert rec["history"][0]["heldout_h1_ce"] == pytest.approx(
+        run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1), tmp_path / "m3.safetensors",
+                            measure_costs=False, init=tmp_path / "m.safetensors")["history"][0]["heldout_h1_ce"])
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=1, draft_vocab=V), tmp_path / "t.safetensors", **q)
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=2, draft_vocab=32), tmp_path / "t2.safetensors",
                      init=tmp_path / "t.safetensors", **q)
@@ -246,6 +259,16 @@ def test_levers_reach_their_settings(monkeypatch, tmp_path):
     cli.train_main(["--method", "mtp", "--store", "S"])
     assert (seen["cfg"].lam, seen["cfg"].w_reg) == (1.0, 0.0)  # the report's objective by default
     assert not seen["cfg"].current_token  # and the report's inputs
+    from specref.training import medusa as medusa_training
+
+    monkeypatch.setattr(medusa_training, "run_medusa_training",
+                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
+    cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-heads", "2", "--init", "m.safetensors",
+                    "--medusa-layers", "2"])
+    assert seen["cfg"].sequential and seen["cfg"].num_heads == 2 and seen["init"] == "m.safetensors"
+    assert seen["cfg"].num_layers == 2
+    cli.train_main(["--method", "medusa", "--store", "S"])
+    assert not seen["cfg"].sequential
 
     class Stop(Exception):
         pass
