@@ -79,7 +79,8 @@ class ResBlock(torch.nn.Module):
 
 class MedusaHeads(torch.nn.Module):
     """K heads over the target's final normed state, each num_layers ResBlocks and an LM head over
-    the draft vocabulary token_map (default: the whole vocabulary)."""
+    the draft vocabulary token_map (default: the whole vocabulary); sequential=True: Hydra's heads,
+    head k also reading the embeddings of the k tokens before its position (the module docstring)."""
 
     def __init__(self, target: torch.nn.Module, num_heads: int = 3, token_map: Optional[torch.Tensor] = None, *,
                  num_layers: int = 1, own_lm_head: bool = False, sequential: bool = False):

@@ -45,8 +45,8 @@ METHODS: Dict[str, str] = {
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
            "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
-           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa", "hydra": "hydra",
-           "hybrid_hydra": "hydra", "mtp": "mtp",
+           "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa",
+           "hydra": "hydra", "hybrid_hydra": "hydra", "mtp": "mtp",
            "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator"}
 
 
@@ -57,7 +57,7 @@ def check_method(name: str) -> str:
     return name
 
 
-WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "hydra", "mtp", "mlp_speculator")  # the learned proposers' weight files
+WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "hydra", "mtp", "mlp_speculator")  # learned proposers: weight files
 
 
 def weights_item(s: str) -> tuple:
