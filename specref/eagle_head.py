@@ -60,7 +60,7 @@ from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import Target, additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
-from .weights import (FOLDER, load_tensors, load_token_map, read_weights, save_trained, warn_if_other_target,
+from .weights import (FOLDER, load_tensors, load_token_map, save_trained, tensor_names, warn_if_other_target,
                       weights_info)
 
 FORMAT = "specref-eagle-1"
@@ -381,7 +381,7 @@ def eagle_info(path=WEIGHTS) -> dict:
 
 def _layout(path) -> Tuple[int, bool]:
     """(decoder layers after the first, current_token) of a head file, from its tensor names."""
-    names = read_weights(path)[0]
+    names = tensor_names(path)
     idx = {int(n.split(".")[1]) for n in names if n.startswith("extra.")}
     return (max(idx) + 1 if idx else 0), "norm_c.weight" in names
 

@@ -68,7 +68,7 @@ from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
-from .weights import (FOLDER, load_tensors, load_token_map, read_weights, save_trained, warn_if_other_target,
+from .weights import (FOLDER, load_tensors, load_token_map, save_trained, tensor_names, warn_if_other_target,
                       weights_info)
 
 FORMAT = "specref-mtp-1"
@@ -344,7 +344,7 @@ def load_mtp(target: torch.nn.Module, path=WEIGHTS, current_token: Optional[bool
     file adds the third input's zero projection columns (to continue training from it)."""
     meta = mtp_info(path)
     warn_if_other_target(path, meta, target)
-    has_cur = "layers.0.cnorm.weight" in read_weights(path)[0]
+    has_cur = "layers.0.cnorm.weight" in tensor_names(path)
     if current_token is False and has_cur:
         raise ValueError(f"{path} holds current_token MTP modules; cannot load them without their third input")
     stack = MTPStack(target, load_token_map(path), num_modules=int(meta.get("num_modules", 1)),

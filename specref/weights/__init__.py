@@ -42,7 +42,7 @@ import lzma
 import struct
 import warnings
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -107,6 +107,20 @@ def read_weights(path, names: Optional[Sequence[str]] = None) -> Tuple[Dict[str,
         return {}, meta
     t = load(raw)
     return (t if names is None else {k: t[k] for k in names}), meta
+
+
+def tensor_names(path) -> List[str]:
+    """The tensor names of a file from save_weights, plain or `.xz`, read from its header alone."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not str(p).endswith(".xz"):
+        with safe_open(str(p), framework="pt") as f:
+            return list(f.keys())
+    st = p.stat()
+    raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
+    n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
+    return [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
 
 
 def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: str, record: dict,
