@@ -39,11 +39,34 @@ W_in starts as [I | 0], so a fresh (or Medusa-started: `hydra_from_medusa`) head
 head. The tree keeps Medusa's choices, but a node's rank-i token is now the head's rank-i token
 given the node's own path, so the proposer expands the tree level by level, one head call per
 distinct parent. The drafts remain a function of the history (siblings "deterministic"): the
-acceptance is unchanged and lossless. Left out: Hydra++'s prefix-attention layer and its
-teacher-distillation objective (our labels already are the target's own distribution).
+acceptance is unchanged and lossless.
+
+Prefix attention (Hydra++, Ankner et al. 2024, Sec. 4): a head reads one state h_t, the target's
+summary of the prefix for predicting x_{t+1}; Hydra++ adds one decoder layer over the target's
+states, attending over the whole prefix, whose output the heads read instead:
+
+    h~_t = PrefixLayer(h_{<=t})       causal attention over the target's final states
+    p_t^(k) = the head of above on h~_t
+
+`prefix="layer"` is that decoder layer (a copy of the target's last); `prefix="attention"` (our
+variant, a quarter of the parameters) keeps its attention block only: h~_t = h_t + Attn(Norm(h))_t.
+Neither layer knows the pending token x_{t+1} when it attends, so neither can look for that token's
+earlier occurrences and what followed them (copying from the prompt). `prefix="pairs"` (our
+variant, EAGLE-1's input) runs the decoder layer over pairs, each state with the token after it:
+
+    h~_t = PrefixLayer(W_p [h_j; e(x_{j+1})]  for j <= t)       W_p in R^{D x 2D}, starting as [I | 0]
+
+(x_{j+1} for j <= t is committed: x_{t+1} is the pending token, already sampled). Each starts as
+the identity (W_p as [I | 0], the layer's attention output and MLP down projections zero), so
+heads given a prefix (`add_prefix`) start as themselves. The layer reads only the target's states at committed
+positions, never a draft, so its own KV cache grows by the tokens each verification commits and
+never rolls back; its output is a function of the history, and the acceptance stays lossless.
+Left out: Hydra++'s teacher-distillation objective (our labels already are the target's own
+distribution).
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -52,10 +75,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from .costs import device_sync, median_block_times
+from .kv_rollback import SpecCache
 from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
-from .target import Target
+from .target import Target, additive_mask, attending
 from .typical import TypicalAcceptance
 from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
@@ -77,13 +101,34 @@ class ResBlock(torch.nn.Module):
         return x + torch.nn.functional.silu(self.linear(x))  # (..., D)
 
 
+class PrefixAttention(torch.nn.Module):
+    """A decoder layer's attention block alone: h + Attn(Norm(h)), called as a decoder layer."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+
+    def forward(self, h: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None) -> torch.Tensor:
+        a, _ = self.self_attn(hidden_states=self.input_layernorm(h), attention_mask=attention_mask,
+                              position_ids=position_ids, cache=cache, use_cache=use_cache,
+                              position_embeddings=position_embeddings)
+        return h + a  # (B, Q, D)
+
+
+PREFIX_KINDS = ("attention", "layer", "pairs")
+
+
 class MedusaHeads(torch.nn.Module):
     """K heads over the target's final normed state, each num_layers ResBlocks and an LM head over
     the draft vocabulary token_map (default: the whole vocabulary); sequential=True: Hydra's heads,
-    head k also reading the embeddings of the k tokens before its position (the module docstring)."""
+    head k also reading the embeddings of the k tokens before its position; prefix ("attention",
+    "layer" or "pairs"): the heads read the output of a prefix layer over the target's states (the
+    module docstring)."""
 
     def __init__(self, target: torch.nn.Module, num_heads: int = 3, token_map: Optional[torch.Tensor] = None, *,
-                 num_layers: int = 1, own_lm_head: bool = False, sequential: bool = False):
+                 num_layers: int = 1, own_lm_head: bool = False, sequential: bool = False,
+                 prefix: Optional[str] = None):
         super().__init__()
         out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
         if out is None or not hasattr(out, "weight"):
@@ -122,6 +167,77 @@ class MedusaHeads(torch.nn.Module):
                 for lin in self.inputs:  # [I | 0]: the Medusa head until training says otherwise
                     lin.weight.zero_()
                     lin.weight[:, :D].copy_(torch.eye(D))
+        self.prefix_kind: Optional[str] = None
+        self.prefix: Optional[torch.nn.Module] = None
+        self.prefix_in: Optional[torch.nn.Linear] = None  # "pairs": W_p over [h_j; e(x_{j+1})]
+        if prefix is not None:
+            self.add_prefix(target, prefix)
+
+    def untie_lm_heads(self) -> "MedusaHeads":
+        """Give every head a trainable copy of the shared LM head (Medusa-1's own LM heads): the same
+        logits until training moves the copies."""
+        if self.own_lm_head:
+            raise ValueError("the heads already have their own LM heads")
+        rows = self.lm_heads[0].weight.detach()  # (Vd, D)
+        Vd, D = rows.shape
+        self.lm_heads = torch.nn.ModuleList(
+            torch.nn.Linear(D, Vd, bias=False) for _ in range(self.num_heads)).to(rows.device, rows.dtype)
+        with torch.no_grad():
+            for lm in self.lm_heads:
+                lm.weight.copy_(rows)
+        self.own_lm_head = True
+        return self
+
+    def add_prefix(self, target: torch.nn.Module, kind: str = "layer") -> "MedusaHeads":
+        """Give the heads a prefix layer (`kind` "layer", "attention" or "pairs", the module
+        docstring) that starts as the identity: heads whose logits are these heads' until training
+        moves it."""
+        if kind not in PREFIX_KINDS:
+            raise ValueError(f"prefix must be one of {PREFIX_KINDS}, got {kind!r}")
+        if self.prefix is not None:
+            raise ValueError(f"the heads already have a prefix {self.prefix_kind!r}")
+        inner = getattr(target, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None or not hasattr(inner, "rotary_emb"):
+            raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
+                             "model.rotary_emb); a prefix layer copies its last decoder layer")
+        w = self.lm_heads[0].weight
+        layer = copy.deepcopy(layers[-1]).to(w.device, w.dtype)
+        layer.self_attn.layer_idx = 0  # the prefix's own cache has one layer
+        with torch.no_grad():  # the residual branches start at 0: the layer is the identity
+            layer.self_attn.o_proj.weight.zero_()
+            if getattr(layer.self_attn.o_proj, "bias", None) is not None:
+                layer.self_attn.o_proj.bias.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        self.prefix = (PrefixAttention(layer) if kind == "attention" else layer).requires_grad_(True)
+        if kind == "pairs":
+            D = self.hidden_size
+            self.prefix_in = torch.nn.Linear(2 * D, D, bias=False).to(w.device, w.dtype)
+            with torch.no_grad():  # [I | 0]: the state alone at the start
+                self.prefix_in.weight.zero_()
+                self.prefix_in.weight[:, :D].copy_(torch.eye(D))
+            self._prefix_embed = (inner.embed_tokens,)  # not a submodule: the target's
+        self.prefix_kind = kind
+        self._rotary = (inner.rotary_emb,)  # not a submodule: the target's
+        return self
+
+    def contextualise(self, h: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor],
+                      cache=None, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The prefix layer on the target's states h (B, Q, D) at positions (B, Q), mask (B, 1, Q, S)
+        additive (S: the cache's slots, or Q without one); "pairs" also reads next_tokens (B, Q), the
+        token after each state -> h~ (B, Q, D); h itself without a prefix."""
+        if self.prefix is None:
+            return h
+        if self.prefix_in is not None:
+            if next_tokens is None or next_tokens.shape != h.shape[:-1]:
+                raise ValueError(f"a 'pairs' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
+                                 f"{None if next_tokens is None else tuple(next_tokens.shape)}")
+            with torch.no_grad():
+                e = self._prefix_embed[0](next_tokens.clamp(min=0)).to(h.dtype)  # (B, Q, D)
+            h = self.prefix_in(torch.cat([h, e], dim=-1))  # (B, Q, D)
+        pe = self._rotary[0](h, position_ids=positions)  # (cos, sin), each (B, Q, head_dim)
+        return self.prefix(h, attention_mask=mask, position_ids=positions, cache=cache, use_cache=cache is not None,
+                           position_embeddings=pe)  # (B, Q, D)
 
     def head(self, k: int, h: torch.Tensor, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Head k (1-based) on h (..., D) -> logits (..., Vd). Sequential heads also need tokens
@@ -201,8 +317,10 @@ class MedusaProposer:
         self.acceptance_rule = (TypicalAcceptance(config.posterior_threshold, config.posterior_alpha)
                            if config.acceptance == "typical" else None)
         self.last: Optional[torch.Tensor] = None
+        self.cache: Optional[SpecCache] = None  # the prefix layer's KV cache, if the heads have one
         self.levels = _levels(self.choices, self.parents.device) if heads.sequential else None
 
+    @torch.no_grad()
     def _store(self, ctx: Context) -> None:
         """Keep each row's newest feature: h at the token before the pending one."""
         if ctx.hidden is None or ctx.hidden_len is None:
@@ -214,14 +332,33 @@ class MedusaProposer:
         n = ctx.hidden_len.to(ctx.hidden.device)  # (B,)
         if W == 0:
             return
-        newest = ctx.hidden[torch.arange(B, device=ctx.hidden.device), (n - 1).clamp(min=0)]  # (B, D)
+        h = self._contextualise(ctx, n) if self.cache is not None else ctx.hidden  # (B, W, D)
+        newest = h[torch.arange(B, device=ctx.hidden.device), (n - 1).clamp(min=0)]  # (B, D)
         fresh = n > 0  # (B,) rows whose last forward committed tokens
         self.last = torch.where(fresh[:, None], newest.to(self.last), self.last)  # (B, D)
         self.has |= fresh
 
+    def _contextualise(self, ctx: Context, n: torch.Tensor) -> torch.Tensor:
+        """The prefix layer on the newly committed states ctx.hidden (B, W, D), n (B,) valid per row,
+        at each row's next cache slots (= their positions: the cache holds every committed state
+        from position 0); the valid ones committed. -> h~ (B, W, D)"""
+        W = ctx.hidden.shape[1]
+        slots = self.cache.begin_block(W)  # (B, W)
+        S = int(slots.max()) + 1
+        allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
+        nxt = ctx.tokens.gather(1, (slots + 1).clamp(max=ctx.tokens.shape[1] - 1))  # (B, W) x_{j+1} of state j
+        w = self.heads.lm_heads[0].weight
+        with attending(self.cache, S):
+            out = self.heads.contextualise(ctx.hidden.to(w.dtype), slots, additive_mask(allowed, w.dtype),
+                                           cache=self.cache, next_tokens=nxt)  # (B, W, D)
+        self.cache.commit(n.to(slots.device))
+        return out
+
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
         w = self.heads.lm_heads[0].weight
+        # the prefix layer's cache: every committed state, plus one block's padding past a row's end
+        self.cache = SpecCache(1, B, 2 * ctx.tokens.shape[1] + 2, dev) if self.heads.prefix is not None else None
         self.last = torch.zeros(B, self.heads.hidden_size, device=dev, dtype=w.dtype)  # (B, D)
         self.has = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a feature seen (prompt > 1 token)
         self._store(ctx)
@@ -289,14 +426,34 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
     h = torch.randn(1, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, D)
     n = heads.num_heads if depth is None else depth
     tokens = torch.zeros(1, n, dtype=torch.long, device=w.device) if heads.sequential else None  # (1, n): one path
+    cache, Q = None, 2  # the prefix layer: Q newly committed states on a 200-state cache per step
+    if heads.prefix is not None:
+        cache = SpecCache(1, 1, 200 + Q + 1, w.device)
+        prefill = torch.randn(1, 200, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, 200, D)
+        _prefix_block(heads, cache, prefill)
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
+        if cache is not None:
+            h = _prefix_block(heads, cache, h[:, None].expand(1, Q, heads.hidden_size))[:, -1]  # (1, D)
+            cache.rollback_to(cache.lengths - Q)
         heads(h, heads=depth, tokens=tokens).topk(4, dim=-1)
         device_sync(w.device)
         times.append(time.perf_counter() - t0)
     t_heads = sorted(times[2:])[reps // 2]
     return {"t_target": t_target, "t_draft": t_heads, "c": t_heads / t_target}
+
+
+def _prefix_block(heads: MedusaHeads, cache: SpecCache, h: torch.Tensor) -> torch.Tensor:
+    """measure_heads_cost's prefix step: h (1, Q, D) at the cache's next slots, committed."""
+    slots = cache.begin_block(h.shape[1])  # (1, Q)
+    S = int(slots.max()) + 1
+    allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (1, Q, S)
+    with attending(cache, S):
+        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache,
+                                  next_tokens=torch.zeros_like(slots))  # (1, Q, D)
+    cache.commit(torch.full((1,), h.shape[1], device=slots.device))
+    return out
 
 
 # ----------------------------------------------------------------------------- weights
@@ -306,7 +463,7 @@ def save_medusa(path, heads: MedusaHeads, target_fingerprint: str, record: dict,
                 choices: Optional[List[Tuple[int, ...]]] = None, dtype: torch.dtype = torch.float16) -> None:
     """The trained tensors + token_map + architecture + the tree to ship + a record, as safetensors."""
     arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
-            "sequential": heads.sequential}
+            "sequential": heads.sequential, "prefix": heads.prefix_kind}
     save_trained(path, heads, FORMAT, target_fingerprint, record,
                  {"arch": json.dumps(arch), "choices": json.dumps(choices or [])}, dtype)
 
@@ -330,7 +487,8 @@ def load_medusa(target: torch.nn.Module, path=WEIGHTS) -> MedusaHeads:
                          "model's hidden states and mean nothing on another's")
     a = meta["arch"]
     heads = MedusaHeads(target, a.get("num_heads", 3), load_token_map(path), num_layers=a.get("num_layers", 1),
-                        own_lm_head=a.get("own_lm_head", False), sequential=a.get("sequential", False))
+                        own_lm_head=a.get("own_lm_head", False), sequential=a.get("sequential", False),
+                        prefix=a.get("prefix"))
     load_tensors(path, dict(heads.trainable()), "Medusa heads")
     heads.choices = meta["choices"] or None
     return heads.eval()

@@ -12,13 +12,15 @@ from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.medusa_heads import (MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, load_medusa,
-                                  save_medusa)
+                                  measure_heads_cost, save_medusa)
 from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expected_accepted, greedy_tree,
                                  tree_arrays)
 from specref.models import tiny_model
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Context
 from specref.sampling import SamplingConfig
+from specref.target import additive_mask
+from specref.training.data import Batch
 from specref.training.draft import build_token_map
 from specref.training.loop import TrainConfig, fit, split_heldout
 from specref.training.medusa import MedusaTask, MedusaTrainConfig, rank_accuracies
@@ -349,3 +351,146 @@ def test_hydra_weights_round_trip(hydra, tmp_path):
     assert again.sequential and again.choices == [(0,), (0, 0)]
     h, toks = torch.randn(5, seq.hidden_size), torch.randint(0, V, (5, 3))
     assert torch.allclose(again(h, tokens=toks), seq(h, tokens=toks), atol=3e-2)  # stored as float16
+
+
+# ----------------------------------------------------------------------------- Hydra++'s prefix layer
+
+
+@pytest.fixture(scope="module", params=["attention", "layer", "pairs"])
+def prefixed(request, hydra):
+    """(target, Hydra heads, their history, the same heads given a prefix layer and trained 150 more
+    steps, its history)."""
+    target, _, seq, seq_hist = hydra
+    train, held = split_heldout(_data(target, 160), 0.2, seed=0)
+    pre = _copy(target, seq).add_prefix(target, request.param)
+    cfg = TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=150, seed=0)
+    res = fit(MedusaTask(pre, MedusaTrainConfig(ranks=4)), train, held, cfg, progress=False, log=lambda s: None)
+    return target, seq, seq_hist, pre.eval(), res.history
+
+
+def _copy(target, heads):
+    """An independent copy of MedusaHeads."""
+    out = MedusaHeads(target, heads.num_heads, heads.token_map, num_layers=heads.num_layers,
+                      own_lm_head=heads.own_lm_head, sequential=heads.sequential, prefix=heads.prefix_kind)
+    out.load_state_dict(heads.state_dict())
+    return out
+
+
+def _causal(B, T, dtype=torch.float32):
+    return additive_mask(torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(B, T, T), dtype)  # (B, 1, T, T)
+
+
+def test_prefix_starts_as_the_heads_and_learns_to_read_the_prefix(prefixed):
+    """add_prefix: the identity (its first held-out evaluation is the Hydra heads' last); training
+    then moves its residual branches, and a state it hands the heads depends on earlier positions
+    (never later ones)."""
+    target, seq, seq_hist, pre, hist = prefixed
+    h = torch.randn(2, 6, seq.hidden_size)  # (B, T, D)
+    pos, nxt = torch.arange(6).expand(2, 6), torch.randint(0, V, (2, 6))  # (B, T) each
+    ctx = lambda states, toks=nxt: pre.contextualise(states, pos, _causal(2, 6), next_tokens=toks)  # noqa: E731
+    start = _copy(target, seq).add_prefix(target, pre.prefix_kind)
+    assert torch.equal(start.contextualise(h, pos, _causal(2, 6), next_tokens=nxt), h)
+    assert seq.contextualise(h, pos, None) is h  # no prefix: the target's states themselves
+    assert np.allclose(rank_accuracies(hist[0], 3, 4), rank_accuracies(seq_hist[-1], 3, 4))
+    assert float(pre.prefix.self_attn.o_proj.weight.detach().abs().max()) > 0
+    a = ctx(h)
+    first, last = h.clone(), h.clone()
+    first[:, 0] += 1.0
+    last[:, 5] += 1.0
+    assert not torch.allclose(ctx(first)[:, 5], a[:, 5])  # reads position 0
+    assert torch.equal(ctx(last)[:, :5], a[:, :5])  # causal
+    other = nxt.clone()
+    other[:, 2] = (other[:, 2] + 1) % V
+    if pre.prefix_kind == "pairs":  # reads the token after each state
+        assert not torch.allclose(ctx(h, other)[:, 4], a[:, 4])
+        with pytest.raises(ValueError, match="'pairs' prefix needs next_tokens"):
+            pre.contextualise(h, pos, _causal(2, 6))
+    else:
+        assert torch.equal(ctx(h, other), a)
+    with pytest.raises(ValueError, match="already have a prefix"):
+        pre.add_prefix(target, "layer")
+    with pytest.raises(ValueError, match="prefix must be one of"):
+        _copy(target, seq).add_prefix(target, "mlp")
+    with pytest.raises(ValueError, match="not a Llama-family causal LM"):
+        _copy(target, seq).add_prefix(torch.nn.Linear(2, 2), "layer")
+
+
+def test_prefix_cache_gives_the_training_states(prefixed):
+    """The proposer feeds the prefix layer each verification's committed states on its own cache
+    (ragged rows, several steps); the state it hands the heads is at every step the one training
+    computes over the whole history in one causal pass."""
+    _, _, _, pre, _ = prefixed
+    g = torch.Generator().manual_seed(3)
+    B, T, D = 3, 14, pre.hidden_size
+    feats = torch.randn(B, T, D, generator=g)  # (B, T, D) the target's states at positions 0..T-1
+    tokens = torch.randint(0, V, (B, T + 1), generator=g)  # (B, T + 1) the tokens x_0 .. x_T
+    full = pre.contextualise(feats, torch.arange(T).expand(B, T), _causal(B, T), next_tokens=tokens[:, 1:])  # (B, T, D)
+    valid = torch.arange(T).view(1, T) < torch.tensor([T, 9, 11]).view(B, 1)  # (B, T) right-padded rows
+    batch = Batch(tokens[:, :T] * valid, valid, valid, torch.zeros(B, T, 1, dtype=torch.long),
+                  torch.zeros(B, T, 1), torch.where(valid[..., None], feats, 0.0))
+    trained_on = MedusaTask(pre)._states(batch)  # (B, T, D) what training hands the heads
+    last = valid & ~torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], 1)  # no token after it in the batch
+    assert torch.allclose(trained_on[valid & ~last], full[valid & ~last], atol=1e-5)
+    prop = MedusaProposer(pre, MedusaConfig(choices=SMALL))
+    done = torch.tensor([4, 1, 6])  # (B,) states committed by the prefill (prompt length - 1)
+    steps = [torch.tensor([2, 3, 1]), torch.tensor([0, 4, 3]), torch.tensor([3, 1, 0])]
+    for i, n in enumerate([done] + steps):
+        start = done if i else torch.zeros(B, dtype=torch.long)  # (B,) position of hidden[:, 0]
+        W = max(int(n.max()), 1)
+        hidden = torch.randn(B, W, D, generator=g)  # padding past each row's n: never read
+        for b in range(B):
+            hidden[b, :n[b]] = feats[b, start[b]:start[b] + n[b]]
+        ctx = Context(tokens=tokens, lengths=start + n + 1,
+                      active=torch.ones(B, dtype=torch.bool), hidden=hidden, hidden_len=n)
+        if i == 0:
+            prop.begin(ctx, SamplingConfig(0.0), None)
+        else:
+            prop.update(ctx, n)
+            done = done + n
+        want = full[torch.arange(B), (done - 1).clamp(min=0)]  # (B, D)
+        assert torch.allclose(prop.last, want, atol=1e-5), (i, (prop.last - want).abs().max())
+        assert torch.equal(prop.cache.lengths, done)
+
+
+def test_prefix_greedy_parity_ragged_batch(prefixed):
+    target, _, _, pre, _ = prefixed
+    ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(4))
+    mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
+    sp = speculative_generate(target, MedusaProposer(pre, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
+                              max_new_tokens=20, temperature=0, eos_token_id=7)
+    assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
+    assert sp.stats.tokens_per_forward > 1.2, sp.stats
+    for b in range(4):
+        one = speculative_generate(target, MedusaProposer(pre, MedusaConfig(choices=SHAPES["wide"])), ids[b:b + 1],
+                                   mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
+        assert one.row(0) == sp.row(b)
+
+
+@pytest.mark.two_threads
+def test_prefix_lossless_tree_sampling_whole_loop(hydra):
+    """The Medusa chi-square (first 2 tokens, 256 cells, 50,000 rows) on Hydra heads reading a prefix
+    layer (random residual branches, so the layer matters): its states are the history's, the
+    siblings still a function of the history, the acceptance exact."""
+    target, _, seq, _ = hydra
+    pre = _copy(target, seq).add_prefix(target, "layer")
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for w in (pre.prefix.self_attn.o_proj.weight, pre.prefix.mlp.down_proj.weight):
+            w.copy_(0.1 * torch.randn(w.shape, generator=g))
+    exact, res, tv, s = _joint_run((target, pre.eval(), None), 1.0, 0, "lossless", 50_000, 2, 9)
+    assert res.p_value > 1e-3, (res, tv)
+    assert s.num_accepted_tokens > 10_000 and s.num_draft_tokens - s.num_accepted_tokens > 10_000, s
+
+
+def test_prefix_weights_round_trip(prefixed, tmp_path):
+    target, _, _, pre, _ = prefixed
+    save_medusa(tmp_path / "p.safetensors", pre, __import__("specref").weights.fingerprint(target), {})
+    again = load_medusa(target, tmp_path / "p.safetensors")
+    assert again.prefix_kind == pre.prefix_kind and again.sequential
+    assert set(dict(again.trainable())) == set(dict(pre.trainable()))
+    h, nxt = torch.randn(2, 5, pre.hidden_size), torch.randint(0, V, (2, 5))
+    pos = torch.arange(5).expand(2, 5)
+    assert torch.allclose(again.contextualise(h, pos, _causal(2, 5), next_tokens=nxt),
+                          pre.contextualise(h, pos, _causal(2, 5), next_tokens=nxt), atol=3e-2)  # stored as float16
+    assert measure_heads_cost(target, pre, reps=3)["c"] > 0  # the heads' step with the prefix layer's

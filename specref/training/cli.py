@@ -12,6 +12,7 @@ import argparse
 
 import torch
 
+from ..medusa_heads import PREFIX_KINDS
 from .data import DistillConfig
 from .draft import DraftTrainConfig, run_training
 from .eagle import EagleTrainConfig, run_eagle_training
@@ -66,12 +67,17 @@ def _train_main(argv=None) -> int:
     ap.add_argument("--stream", action="store_true", help="read the feature stores from disk on demand "
                     "(training/streamed.py): stores larger than memory")
     ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
-    ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy")
+    ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy "
+                    "(with --init of a file whose heads share one, copies of it)")
     ap.add_argument("--medusa-layers", type=int, default=MedusaTrainConfig.num_layers,
                     help="medusa: ResBlocks per head; with --init, identity blocks are appended to reach it")
     ap.add_argument("--hydra", action="store_true", help="medusa: Hydra's sequentially dependent heads (each "
                     "also reads the tokens before its position); with --init of a Medusa file, they start as "
                     "its first --medusa-heads heads")
+    ap.add_argument("--medusa-prefix", choices=PREFIX_KINDS, default=None, help="medusa: Hydra++'s prefix "
+                    "layer over the target's states, read by the heads ('layer': a decoder layer, 'attention': its "
+                    "attention block, 'pairs': the layer over each state with the token after it); with --init of a "
+                    "file without one, it starts as the identity")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
@@ -207,7 +213,7 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     from .medusa import run_medusa_training
 
     cfg = MedusaTrainConfig(num_heads=a.medusa_heads, num_layers=a.medusa_layers, draft_vocab=a.draft_vocab,
-                            own_lm_head=a.own_lm_head, sequential=a.hydra)
+                            own_lm_head=a.own_lm_head, sequential=a.hydra, prefix=a.medusa_prefix)
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
                         init=a.init)

@@ -10,7 +10,9 @@ soft cross-entropy over the heads' draft vocabulary): what the target would samp
 self-distillation the paper recommends (Sec. 2.3.2) without generating text.
 
 Hydra heads (`sequential`, medusa_heads.py) also read the tokens x_{t+1} .. x_{t+k}, teacher
-forced from the data, as Hydra trains them (Ankner et al. 2024, Sec. 3).
+forced from the data, as Hydra trains them (Ankner et al. 2024, Sec. 3). Heads with Hydra++'s prefix
+layer (`prefix`) read its output over each whole sequence (one causal pass), the states the
+proposer's cached layer computes a verification at a time.
 
 Held-out metrics per head k: top1 (the head's argmax = the target's argmax at t+k) and, for the
 tree builder (medusa_tree.best_tree), the rate at which each rank i < `ranks` of the head is the
@@ -29,7 +31,9 @@ import numpy as np
 import torch
 
 from ..costs import measure_verify_cost
-from ..medusa_heads import MedusaHeads, hydra_from_medusa, load_medusa, measure_heads_cost, save_medusa
+from ..medusa_heads import (PREFIX_KINDS, MedusaHeads, hydra_from_medusa, load_medusa, measure_heads_cost,
+                            save_medusa)
+from ..target import additive_mask
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
@@ -44,8 +48,11 @@ class MedusaTrainConfig:
     num_heads: int = 3  # K: heads for positions t+2 .. t+K+1
     num_layers: int = 1  # ResBlocks per head (Medusa's default: 1); with init, more appends identity blocks
     draft_vocab: int = 8192  # Vd: most frequent target tokens of the data (0: the whole vocabulary)
-    own_lm_head: bool = False  # True: each head trains its own copy of the LM head (Medusa-1's)
+    own_lm_head: bool = False  # True: each head trains its own copy of the LM head (Medusa-1's); with init of
+    # a file whose heads share the frozen one, each head starts from a copy of it
     sequential: bool = False  # True: Hydra's sequentially dependent heads (medusa_heads.py)
+    prefix: Optional[str] = None  # "layer" / "attention" / "pairs": a prefix layer (medusa_heads.py); with
+    # init, added to a file's heads that have none (starting as the identity)
     decay: float = 0.8  # lambda: head k's loss weight is decay ** k
     ranks: int = 8  # held-out: per-rank accuracies a_k(i) for i < ranks (the tree builder's input)
     heldout_fraction: float = 0.05  # sequences held out
@@ -58,6 +65,8 @@ class MedusaTrainConfig:
         if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab == 1 \
                 or self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be 0 (whole vocabulary) or an int >= 2, got {self.draft_vocab!r}")
+        if self.prefix is not None and self.prefix not in PREFIX_KINDS:
+            raise ValueError(f"prefix must be None or one of {PREFIX_KINDS}, got {self.prefix!r}")
         if not 0 < self.decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
         if not 0 <= self.heldout_fraction < 1:
@@ -75,14 +84,28 @@ class MedusaTask:
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return self.module.trainable()
 
-    def _head(self, batch: Batch, k: int):
-        """Head k (1-based) at every position t whose label (the top-k stored at t+k) exists.
-        -> (log q (N, Vd), label ids (N, Kp), label probs (N, Kp), log q at the labels (N, Kp), valid)"""
+    def _states(self, batch: Batch) -> torch.Tensor:
+        """The states the heads read: the target's features (B, T, D), through the prefix layer
+        (causal attention over each sequence's valid positions) when the heads have one."""
         if batch.features is None or batch.topk_ids is None:
             raise ValueError("Medusa training needs batches with target features and stored top-k")
+        if self.module.prefix is None:
+            return batch.features
+        B, T = batch.tokens.shape
+        dt = self.module.lm_heads[0].weight.dtype
+        ar = torch.arange(T, device=batch.features.device)  # (T,)
+        allowed = (ar.view(1, T) <= ar.view(T, 1)).unsqueeze(0) & batch.attention[:, None, :T].bool()  # (B, T, T)
+        nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # (B, T) x_{t+1}
+        return self.module.contextualise(batch.features.to(dt), ar.expand(B, T), additive_mask(allowed, dt),
+                                         next_tokens=nxt)
+
+    def _head(self, batch: Batch, k: int, states: torch.Tensor):
+        """Head k (1-based) at every position t whose label (the top-k stored at t+k) exists, on the
+        states (B, T, D) of _states.
+        -> (log q (N, Vd), label ids (N, Kp), label probs (N, Kp), log q at the labels (N, Kp), valid)"""
         T = batch.tokens.shape[1]
         m = batch.loss_mask[:, k:] & batch.attention[:, :T - k]  # (B, T-k) label at t+k, feature at t
-        h = batch.features[:, :T - k][m].float()  # (N, D)
+        h = states[:, :T - k][m].float()  # (N, D)
         toks = None
         if self.module.sequential:  # Hydra: teacher-forced x_{t+1} .. x_{t+k}
             toks = torch.stack([batch.tokens[:, j:T - k + j] for j in range(1, k + 1)], dim=-1)[m]  # (N, k)
@@ -95,9 +118,9 @@ class MedusaTask:
         return logq, ids, p, logq.gather(1, d.clamp(min=0)), valid
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        total = None
+        total, states = None, self._states(batch)
         for k in range(1, self.module.num_heads + 1):
-            _, _, p, lq, valid = self._head(batch, k)
+            _, _, p, lq, valid = self._head(batch, k, states)
             ce = -(p * lq * valid).sum(1).mean() if p.shape[0] else lq.sum() * 0
             total = self.config.decay ** k * ce if total is None else total + self.config.decay ** k * ce
         return total
@@ -105,9 +128,9 @@ class MedusaTask:
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> Dict[str, float]:
         out: Dict[str, float] = {}
-        R = self.config.ranks
+        R, states = self.config.ranks, self._states(batch)
         for k in range(1, self.module.num_heads + 1):
-            logq, ids, p, lq, valid = self._head(batch, k)
+            logq, ids, p, lq, valid = self._head(batch, k, states)
             n = float(ids.shape[0])
             if k == 1:
                 out["count"] = n
@@ -147,15 +170,23 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
         if cfg.num_layers > heads.num_layers:  # identity ResBlocks appended: the file's logits at the start
             data_record["init_layers"] = heads.num_layers
             heads.deepen(cfg.num_layers)
+        if cfg.own_lm_head and not heads.own_lm_head:  # each head's LM head a trainable copy of the shared one
+            heads.untie_lm_heads()
+            data_record["lm_heads_untied"] = True
+        if cfg.prefix is not None and heads.prefix is None:  # a prefix layer that starts as the identity
+            heads.add_prefix(target, cfg.prefix)
+            data_record["prefix_added"] = cfg.prefix
+        elif cfg.prefix is not None and heads.prefix_kind != cfg.prefix:
+            raise ValueError(f"{init} has a prefix {heads.prefix_kind!r}, not the {cfg.prefix!r} asked for")
     else:
         token_map = None if cfg.draft_vocab == 0 else build_token_map(train, V, min(cfg.draft_vocab, V))
         heads = MedusaHeads(target, cfg.num_heads, token_map, num_layers=cfg.num_layers,
-                            own_lm_head=cfg.own_lm_head, sequential=cfg.sequential)
+                            own_lm_head=cfg.own_lm_head, sequential=cfg.sequential, prefix=cfg.prefix)
     result = fit(MedusaTask(heads, cfg), as_sequence(train), as_sequence(heldout), train_cfg, out_dir=run_dir)
     final = result.history[-1] if result.history else {}
     acc = rank_accuracies(final, heads.num_heads, cfg.ranks)  # the heads trained: --init keeps the file's K
     shape = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
-             "sequential": heads.sequential,
+             "sequential": heads.sequential, "prefix": heads.prefix_kind,
              "draft_vocab": int(heads.token_map.numel())}
     record = {"data": data_record or {}, "train": train_record(train_cfg, result), "medusa": {**asdict(cfg), **shape},
               "train_seconds": result.seconds, "train_sequences": len(train), "heldout_sequences": len(heldout),

@@ -109,6 +109,7 @@ def _head_runs(target, store, tmp_path):
     ecfg, e3cfg = EagleTrainConfig(draft_vocab=V), Eagle3TrainConfig(draft_vocab=V, ttt_steps=2)
     mcfg, tcfg = MedusaTrainConfig(num_heads=2, draft_vocab=V), MTPTrainConfig(draft_vocab=V)
     ycfg = MedusaTrainConfig(num_heads=2, draft_vocab=V, sequential=True)
+    pcfg = MedusaTrainConfig(num_heads=2, draft_vocab=V, sequential=True, prefix="attention")
     dcfg = DraftTrainConfig(num_layers=1, draft_vocab=48)
     return {
         "eagle": (lambda i, o: run_eagle_store_training(target, *fin, TCFG, ecfg, o, init=i)["history"][0],
@@ -122,6 +123,9 @@ def _head_runs(target, store, tmp_path):
         "hydra": (lambda i, o: run_medusa_training(target, *fin, TCFG, ycfg, o, measure_costs=False,
                                                    init=i)["history"][0],
                   lambda f: MedusaTask(load_medusa(target, f), ycfg), fin[1]),
+        "hydra_prefix": (lambda i, o: run_medusa_training(target, *fin, TCFG, pcfg, o, measure_costs=False,
+                                                          init=i)["history"][0],
+                         lambda f: MedusaTask(load_medusa(target, f), pcfg), fin[1]),
         "mtp": (lambda i, o: run_mtp_training(target, *fin, TCFG, tcfg, o, init=i, **q)[1].history[0],
                 lambda f: MTPTask(load_mtp(target, f), tcfg), fin[1]),
         "draft": (lambda i, o: run_draft_store_training(target, *lean, TCFG, dcfg, o, init=i)["history"][0],
@@ -129,7 +133,7 @@ def _head_runs(target, store, tmp_path):
     }
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "hydra", "mtp", "draft"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "hydra", "hydra_prefix", "mtp", "draft"])
 def test_init_continues_from_the_saved_head(name, store, tmp_path):
     """`train --method NAME --init FILE`: the run's first held-out evaluation is the saved head's."""
     torch.manual_seed(0)
@@ -148,6 +152,7 @@ def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
     """`--init FILE` with flags that name another shape (Medusa, MTP, the draft, EAGLE-3; EAGLE-1 in
     test_store.py): the run trains the file's heads and its record (and Medusa's per-head
     accuracies, which pick its tree) states the file's shape."""
+    from specref.medusa_heads import load_medusa
     from specref.training.draft import DraftTrainConfig, run_draft_store_training
     from specref.training.medusa import MedusaTrainConfig, run_medusa_training
     from specref.training.mtp import MTPTrainConfig, run_mtp_training
@@ -170,6 +175,23 @@ def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
     assert rec["history"][0]["heldout_h1_ce"] == pytest.approx(
         run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1), tmp_path / "m3.safetensors",
                             measure_costs=False, init=tmp_path / "m.safetensors")["history"][0]["heldout_h1_ce"])
+    # a prefix layer added to those Hydra heads starts as the identity: their first evaluation again
+    rec2 = run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True, prefix="layer"),
+                               tmp_path / "y2.safetensors", measure_costs=False, init=tmp_path / "y.safetensors")
+    assert (rec2["medusa"]["prefix"], rec2["data"]["prefix_added"]) == ("layer", "layer")
+    assert rec2["history"][0]["heldout_h1_ce"] == pytest.approx(
+        run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True),
+                            tmp_path / "y4.safetensors", measure_costs=False,
+                            init=tmp_path / "y.safetensors")["history"][0]["heldout_h1_ce"])
+    # each head's own trainable LM head, copied from the shared frozen one: the file's evaluation again
+    rec3 = run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True, own_lm_head=True),
+                               tmp_path / "y5.safetensors", measure_costs=False, init=tmp_path / "y.safetensors")
+    assert rec3["medusa"]["own_lm_head"] and rec3["data"]["lm_heads_untied"]
+    assert rec3["history"][0]["heldout_h1_ce"] == pytest.approx(rec2["history"][0]["heldout_h1_ce"])
+    assert load_medusa(target, tmp_path / "y5.safetensors").own_lm_head
+    with pytest.raises(ValueError, match="has a prefix 'layer', not the 'attention' asked for"):
+        run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True, prefix="attention"),
+                            tmp_path / "y3.safetensors", measure_costs=False, init=tmp_path / "y2.safetensors")
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=1, draft_vocab=V), tmp_path / "t.safetensors", **q)
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=2, draft_vocab=32), tmp_path / "t2.safetensors",
                      init=tmp_path / "t.safetensors", **q)
@@ -266,7 +288,9 @@ def test_levers_reach_their_settings(monkeypatch, tmp_path):
     cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-heads", "2", "--init", "m.safetensors",
                     "--medusa-layers", "2"])
     assert seen["cfg"].sequential and seen["cfg"].num_heads == 2 and seen["init"] == "m.safetensors"
-    assert seen["cfg"].num_layers == 2
+    assert seen["cfg"].num_layers == 2 and seen["cfg"].prefix is None
+    cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-prefix", "attention"])
+    assert seen["cfg"].prefix == "attention"
     cli.train_main(["--method", "medusa", "--store", "S"])
     assert not seen["cfg"].sequential
 
