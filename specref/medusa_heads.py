@@ -342,17 +342,8 @@ class MedusaProposer:
         """The prefix layer on the newly committed states ctx.hidden (B, W, D), n (B,) valid per row,
         at each row's next cache slots (= their positions: the cache holds every committed state
         from position 0); the valid ones committed. -> h~ (B, W, D)"""
-        W = ctx.hidden.shape[1]
-        slots = self.cache.begin_block(W)  # (B, W)
-        S = int(slots.max()) + 1
-        allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
-        nxt = ctx.tokens.gather(1, (slots + 1).clamp(max=ctx.tokens.shape[1] - 1))  # (B, W) x_{j+1} of state j
         w = self.heads.lm_heads[0].weight
-        with attending(self.cache, S):
-            out = self.heads.contextualise(ctx.hidden.to(w.dtype), slots, additive_mask(allowed, w.dtype),
-                                           cache=self.cache, next_tokens=nxt)  # (B, W, D)
-        self.cache.commit(n.to(slots.device))
-        return out
+        return _prefix_step(self.heads, self.cache, ctx.hidden.to(w.dtype), n, ctx.tokens)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
@@ -430,12 +421,12 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
     if heads.prefix is not None:
         cache = SpecCache(1, 1, 200 + Q + 1, w.device)
         prefill = torch.randn(1, 200, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, 200, D)
-        _prefix_block(heads, cache, prefill)
+        _prefix_step(heads, cache, prefill, torch.full((1,), 200))
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
         if cache is not None:
-            h = _prefix_block(heads, cache, h[:, None].expand(1, Q, heads.hidden_size))[:, -1]  # (1, D)
+            h = _prefix_step(heads, cache, h[:, None].expand(1, Q, heads.hidden_size), torch.full((1,), Q))[:, -1]
             cache.rollback_to(cache.lengths - Q)
         heads(h, heads=depth, tokens=tokens).topk(4, dim=-1)
         device_sync(w.device)
@@ -444,15 +435,19 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
     return {"t_target": t_target, "t_draft": t_heads, "c": t_heads / t_target}
 
 
-def _prefix_block(heads: MedusaHeads, cache: SpecCache, h: torch.Tensor) -> torch.Tensor:
-    """measure_heads_cost's prefix step: h (1, Q, D) at the cache's next slots, committed."""
-    slots = cache.begin_block(h.shape[1])  # (1, Q)
+def _prefix_step(heads: MedusaHeads, cache: SpecCache, h: torch.Tensor, keep: torch.Tensor,
+                 tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The prefix layer on states h (B, W, D) at each row's next cache slots (= their positions), the
+    first keep (B,) of each row committed; tokens (B, T): the sequence whose x_{j+1} a "pairs"
+    prefix reads beside state j (None: token 0, for timing). -> h~ (B, W, D)"""
+    slots = cache.begin_block(h.shape[1])  # (B, W)
     S = int(slots.max()) + 1
-    allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (1, Q, S)
+    allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
+    nxt = (torch.zeros_like(slots) if tokens is None
+           else tokens.gather(1, (slots + 1).clamp(max=tokens.shape[1] - 1)))  # (B, W) x_{j+1} of state j
     with attending(cache, S):
-        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache,
-                                  next_tokens=torch.zeros_like(slots))  # (1, Q, D)
-    cache.commit(torch.full((1,), h.shape[1], device=slots.device))
+        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache, next_tokens=nxt)
+    cache.commit(keep.to(slots.device))
     return out
 
 

@@ -318,19 +318,25 @@ def test_hydra_tree_is_each_heads_top_tokens_given_the_nodes_path(hydra):
     assert differ > 0  # depth 2 depends on its parent: Medusa's tree would repeat head 2's top token
 
 
-def test_hydra_greedy_parity_and_batch_independence(hydra):
-    target, _, seq, _ = hydra
+def _greedy_parity_and_batch_independence(target, heads):
+    """Greedy output equals the target's on a ragged batch (the wide tree), and each row alone equals
+    its row in the batch."""
     ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(4))
     mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()
     ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
-    sp = speculative_generate(target, MedusaProposer(seq, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
+    sp = speculative_generate(target, MedusaProposer(heads, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
                               max_new_tokens=20, temperature=0, eos_token_id=7)
     assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
     assert sp.stats.tokens_per_forward > 1.2, sp.stats
     for b in range(4):
-        one = speculative_generate(target, MedusaProposer(seq, MedusaConfig(choices=SHAPES["wide"])), ids[b:b + 1],
-                                   mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
+        one = speculative_generate(target, MedusaProposer(heads, MedusaConfig(choices=SHAPES["wide"])),
+                                   ids[b:b + 1], mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
         assert one.row(0) == sp.row(b)
+
+
+def test_hydra_greedy_parity_and_batch_independence(hydra):
+    target, _, seq, _ = hydra
+    _greedy_parity_and_batch_independence(target, seq)
 
 
 @pytest.mark.two_threads
@@ -454,17 +460,7 @@ def test_prefix_cache_gives_the_training_states(prefixed):
 
 def test_prefix_greedy_parity_ragged_batch(prefixed):
     target, _, _, pre, _ = prefixed
-    ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(4))
-    mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()
-    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
-    sp = speculative_generate(target, MedusaProposer(pre, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
-                              max_new_tokens=20, temperature=0, eos_token_id=7)
-    assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
-    assert sp.stats.tokens_per_forward > 1.2, sp.stats
-    for b in range(4):
-        one = speculative_generate(target, MedusaProposer(pre, MedusaConfig(choices=SHAPES["wide"])), ids[b:b + 1],
-                                   mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
-        assert one.row(0) == sp.row(b)
+    _greedy_parity_and_batch_independence(target, pre)
 
 
 @pytest.mark.two_threads
