@@ -56,7 +56,11 @@ variant, EAGLE-1's input) runs the decoder layer over pairs, each state with the
 
     h~_t = PrefixLayer(W_p [h_j; e(x_{j+1})]  for j <= t)       W_p in R^{D x 2D}, starting as [I | 0]
 
-(x_{j+1} for j <= t is committed: x_{t+1} is the pending token, already sampled). Each starts as
+(x_{j+1} for j <= t is committed: x_{t+1} is the pending token, already sampled). `prefix="eagle"`
+(our variant) makes that layer EAGLE-1's head (eagle_head.py: input norms, FC, decoder layer,
+output norm), so h~_t is its predicted feature f^_{t+1}, and `hydra_on_eagle` starts Hydra heads on a
+trained EAGLE-1 head: head 1 the identity (its logits are the EAGLE head's first draft), head k+1
+the given Hydra heads' head k one position on (f^_{t+1} in the place of h_{t+1}). The other kinds start as
 the identity (W_p as [I | 0], the layer's attention output and MLP down projections zero), so
 heads given a prefix (`add_prefix`) start as themselves. The layer reads only the target's states at committed
 positions, never a draft, so its own KV cache grows by the tokens each verification commits and
@@ -75,6 +79,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .costs import device_sync, median_block_times
+from .eagle_head import EagleHead
 from .kv_rollback import SpecCache
 from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays
 from .proposer import Context, Draft, Generators
@@ -116,7 +121,7 @@ class PrefixAttention(torch.nn.Module):
         return h + a  # (B, Q, D)
 
 
-PREFIX_KINDS = ("attention", "layer", "pairs")
+PREFIX_KINDS = ("attention", "layer", "pairs", "eagle")
 
 
 class MedusaHeads(torch.nn.Module):
@@ -188,20 +193,34 @@ class MedusaHeads(torch.nn.Module):
         self.own_lm_head = True
         return self
 
-    def add_prefix(self, target: torch.nn.Module, kind: str = "layer") -> "MedusaHeads":
-        """Give the heads a prefix layer (`kind` "layer", "attention" or "pairs", the module
-        docstring) that starts as the identity: heads whose logits are these heads' until training
-        moves it."""
+    def add_prefix(self, target: torch.nn.Module, kind: str = "layer", eagle: Optional[EagleHead] = None
+                   ) -> "MedusaHeads":
+        """Give the heads a prefix layer (`kind` "layer", "attention", "pairs" or "eagle", the module
+        docstring). The first three start as the identity: heads whose logits are these heads' until
+        training moves it. "eagle" is a copy of `eagle` (an EAGLE-1 EagleHead of this target; None: a
+        fresh one, its FC random)."""
         if kind not in PREFIX_KINDS:
             raise ValueError(f"prefix must be one of {PREFIX_KINDS}, got {kind!r}")
         if self.prefix is not None:
             raise ValueError(f"the heads already have a prefix {self.prefix_kind!r}")
+        if eagle is not None and kind != "eagle":
+            raise ValueError(f"an EAGLE head is the prefix of kind 'eagle' only, not {kind!r}")
         inner = getattr(target, "model", None)
         layers = getattr(inner, "layers", None)
         if layers is None or not hasattr(inner, "rotary_emb"):
             raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
                              "model.rotary_emb); a prefix layer copies its last decoder layer")
         w = self.lm_heads[0].weight
+        if kind == "eagle":
+            if eagle is None:
+                eagle = EagleHead(target, self.token_map)
+            if type(eagle) is not EagleHead or eagle.hidden_size != self.hidden_size:
+                raise ValueError(f"an 'eagle' prefix is an EAGLE-1 EagleHead of width {self.hidden_size} (EAGLE-3's "
+                                 f"reads fused features the heads do not have), got {type(eagle).__name__}")
+            shared = {id(m): m for m in eagle._shared}  # the target's embeddings: referenced, never copied
+            self.prefix = copy.deepcopy(eagle, shared).to(w.device, w.dtype).train(self.training)
+            self.prefix_kind = "eagle"
+            return self
         layer = copy.deepcopy(layers[-1]).to(w.device, w.dtype)
         layer.self_attn.layer_idx = 0  # the prefix's own cache has one layer
         with torch.no_grad():  # the residual branches start at 0: the layer is the identity
@@ -221,13 +240,27 @@ class MedusaHeads(torch.nn.Module):
         self._rotary = (inner.rotary_emb,)  # not a submodule: the target's
         return self
 
+    @property
+    def prefix_layers(self) -> int:
+        """Decoder layers of the prefix (its KV cache holds one per layer); 0 without one."""
+        if self.prefix is None:
+            return 0
+        return self.prefix.num_layers if self.prefix_kind == "eagle" else 1
+
     def contextualise(self, h: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor],
-                      cache=None, next_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      cache=None, next_tokens: Optional[torch.Tensor] = None,
+                      cur_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The prefix layer on the target's states h (B, Q, D) at positions (B, Q), mask (B, 1, Q, S)
-        additive (S: the cache's slots, or Q without one); "pairs" also reads next_tokens (B, Q), the
-        token after each state -> h~ (B, Q, D); h itself without a prefix."""
+        additive (S: the cache's slots, or Q without one); "pairs" and "eagle" also read next_tokens
+        (B, Q), the token after each state, and a current-token EAGLE head cur_tokens (B, Q), the
+        token at each state's position -> h~ (B, Q, D); h itself without a prefix."""
         if self.prefix is None:
             return h
+        if self.prefix_kind == "eagle":
+            if next_tokens is None or next_tokens.shape != h.shape[:-1]:
+                raise ValueError(f"an 'eagle' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
+                                 f"{None if next_tokens is None else tuple(next_tokens.shape)}")
+            return self.prefix(h, next_tokens, positions, mask, cache, cur_tokens=cur_tokens)  # (B, Q, D) f^_{t+1}
         if self.prefix_in is not None:
             if next_tokens is None or next_tokens.shape != h.shape[:-1]:
                 raise ValueError(f"a 'pairs' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
@@ -349,7 +382,8 @@ class MedusaProposer:
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
         w = self.heads.lm_heads[0].weight
         # the prefix layer's cache: every committed state, plus one block's padding past a row's end
-        self.cache = SpecCache(1, B, 2 * ctx.tokens.shape[1] + 2, dev) if self.heads.prefix is not None else None
+        self.cache = (SpecCache(self.heads.prefix_layers, B, 2 * ctx.tokens.shape[1] + 2, dev)
+                      if self.heads.prefix is not None else None)
         self.last = torch.zeros(B, self.heads.hidden_size, device=dev, dtype=w.dtype)  # (B, D)
         self.has = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a feature seen (prompt > 1 token)
         self._store(ctx)
@@ -419,7 +453,7 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
     tokens = torch.zeros(1, n, dtype=torch.long, device=w.device) if heads.sequential else None  # (1, n): one path
     cache, Q = None, 2  # the prefix layer: Q newly committed states on a 200-state cache per step
     if heads.prefix is not None:
-        cache = SpecCache(1, 1, 200 + Q + 1, w.device)
+        cache = SpecCache(heads.prefix_layers, 1, 200 + Q + 1, w.device)
         prefill = torch.randn(1, 200, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, 200, D)
         _prefix_step(heads, cache, prefill, torch.full((1,), 200))
     times = []
@@ -438,15 +472,19 @@ def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, 
 def _prefix_step(heads: MedusaHeads, cache: SpecCache, h: torch.Tensor, keep: torch.Tensor,
                  tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The prefix layer on states h (B, W, D) at each row's next cache slots (= their positions), the
-    first keep (B,) of each row committed; tokens (B, T): the sequence whose x_{j+1} a "pairs"
-    prefix reads beside state j (None: token 0, for timing). -> h~ (B, W, D)"""
+    first keep (B,) of each row committed; tokens (B, T): the sequence whose x_{j+1} a "pairs" or
+    "eagle" prefix reads beside state j, and x_j a current-token EAGLE head (None: token 0, for
+    timing). -> h~ (B, W, D)"""
     slots = cache.begin_block(h.shape[1])  # (B, W)
     S = int(slots.max()) + 1
     allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
     nxt = (torch.zeros_like(slots) if tokens is None
            else tokens.gather(1, (slots + 1).clamp(max=tokens.shape[1] - 1)))  # (B, W) x_{j+1} of state j
+    cur = (torch.zeros_like(slots) if tokens is None
+           else tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1)))  # (B, W) x_j
     with attending(cache, S):
-        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache, next_tokens=nxt)
+        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache, next_tokens=nxt,
+                                  cur_tokens=cur)
     cache.commit(keep.to(slots.device))
     return out
 
@@ -459,6 +497,8 @@ def save_medusa(path, heads: MedusaHeads, target_fingerprint: str, record: dict,
     """The trained tensors + token_map + architecture + the tree to ship + a record, as safetensors."""
     arch = {"num_heads": heads.num_heads, "num_layers": heads.num_layers, "own_lm_head": heads.own_lm_head,
             "sequential": heads.sequential, "prefix": heads.prefix_kind}
+    if heads.prefix_kind == "eagle":  # the EAGLE head's layout, to rebuild it before loading
+        arch.update(prefix_extra_layers=heads.prefix.num_layers - 1, prefix_current_token=heads.prefix.current_token)
     save_trained(path, heads, FORMAT, target_fingerprint, record,
                  {"arch": json.dumps(arch), "choices": json.dumps(choices or [])}, dtype)
 
@@ -481,9 +521,13 @@ def load_medusa(target: torch.nn.Module, path=WEIGHTS) -> MedusaHeads:
                          f"{meta.get('target_fingerprint')!r}, not this one ({fp!r}): heads read one "
                          "model's hidden states and mean nothing on another's")
     a = meta["arch"]
-    heads = MedusaHeads(target, a.get("num_heads", 3), load_token_map(path), num_layers=a.get("num_layers", 1),
+    token_map, eagle = load_token_map(path), a.get("prefix") == "eagle"
+    heads = MedusaHeads(target, a.get("num_heads", 3), token_map, num_layers=a.get("num_layers", 1),
                         own_lm_head=a.get("own_lm_head", False), sequential=a.get("sequential", False),
-                        prefix=a.get("prefix"))
+                        prefix=None if eagle else a.get("prefix"))
+    if eagle:
+        heads.add_prefix(target, "eagle", EagleHead(target, token_map, extra_layers=a.get("prefix_extra_layers", 0),
+                                                    current_token=a.get("prefix_current_token", False)))
     load_tensors(path, dict(heads.trainable()), "Medusa heads")
     heads.choices = meta["choices"] or None
     return heads.eval()
@@ -505,4 +549,31 @@ def hydra_from_medusa(target: torch.nn.Module, heads: MedusaHeads, num_heads: Op
         out.blocks[k].load_state_dict(heads.blocks[k].state_dict())
     for k in range(len(out.lm_heads)):
         out.lm_heads[k].weight.copy_(heads.lm_heads[k].weight)
+    return out.eval()
+
+
+@torch.no_grad()
+def hydra_on_eagle(target: torch.nn.Module, hydra: MedusaHeads, eagle: EagleHead,
+                   num_heads: Optional[int] = None) -> MedusaHeads:
+    """Hydra heads with an "eagle" prefix (a copy of `eagle`, an EAGLE-1 head) that start from it and
+    from trained Hydra heads `hydra`: head 1 the identity (W_in [I | 0], zero ResBlocks), so its
+    logits are the EAGLE head's first draft, LMHead(f^_{t+1}); head k >= 2 is hydra's head k - 1 one
+    position on: it reads f^_{t+1} where that head read h_t and x_{t+2} .. x_{t+k} where it read
+    x_{t+1} .. x_{t+k-1} (x_{t+1}'s columns zero). The draft vocabulary is the EAGLE head's (the LM
+    head rows are the target's). num_heads: 2 .. hydra.num_heads + 1 (default hydra.num_heads)."""
+    if not isinstance(hydra, MedusaHeads) or not hydra.sequential or hydra.own_lm_head or hydra.prefix is not None:
+        raise ValueError("hydra_on_eagle needs sequential MedusaHeads (Hydra) that share the target's LM head and "
+                         "have no prefix of their own (hydra_from_medusa makes Hydra heads from Medusa heads)")
+    n = hydra.num_heads if num_heads is None else num_heads
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= hydra.num_heads + 1:
+        raise ValueError(f"num_heads must be an int in [1, {hydra.num_heads + 1}], got {num_heads!r}")
+    out = MedusaHeads(target, n, eagle.token_map, num_layers=hydra.num_layers, sequential=True)
+    out.add_prefix(target, "eagle", eagle)
+    D = out.hidden_size
+    for k in range(2, n + 1):
+        src = hydra.inputs[k - 2].weight  # (D, k D): [h_t | e(x_{t+1}) .. e(x_{t+k-1})]
+        w = torch.zeros_like(out.inputs[k - 1].weight)  # (D, (k + 1) D)
+        w[:, :D], w[:, 2 * D:] = src[:, :D], src[:, D:]
+        out.inputs[k - 1].weight.copy_(w)
+        out.blocks[k - 1].load_state_dict(hydra.blocks[k - 2].state_dict())
     return out.eval()

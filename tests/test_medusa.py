@@ -11,7 +11,8 @@ from _stats import power_sample_size
 from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
-from specref.medusa_heads import (MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, load_medusa,
+from specref.eagle_head import EagleHead
+from specref.medusa_heads import (MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, hydra_on_eagle, load_medusa,
                                   measure_heads_cost, save_medusa)
 from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expected_accepted, greedy_tree,
                                  tree_arrays)
@@ -318,16 +319,16 @@ def test_hydra_tree_is_each_heads_top_tokens_given_the_nodes_path(hydra):
     assert differ > 0  # depth 2 depends on its parent: Medusa's tree would repeat head 2's top token
 
 
-def _greedy_parity_and_batch_independence(target, heads):
+def _greedy_parity_and_batch_independence(target, heads, min_tau: float = 1.2):
     """Greedy output equals the target's on a ragged batch (the wide tree), and each row alone equals
-    its row in the batch."""
+    its row in the batch; trained heads draft more than one token per forward (min_tau)."""
     ids = torch.randint(0, V, (4, 9), generator=torch.Generator().manual_seed(4))
     mask = (torch.arange(9) >= torch.tensor([0, 3, 5, 8]).view(4, 1)).long()
     ar = autoregressive_generate(target, ids, mask, max_new_tokens=20, temperature=0, eos_token_id=7)
     sp = speculative_generate(target, MedusaProposer(heads, MedusaConfig(choices=SHAPES["wide"])), ids, mask,
                               max_new_tokens=20, temperature=0, eos_token_id=7)
     assert torch.equal(ar.tokens, sp.tokens) and torch.equal(ar.num_tokens, sp.num_tokens)
-    assert sp.stats.tokens_per_forward > 1.2, sp.stats
+    assert sp.stats.tokens_per_forward > min_tau, sp.stats
     for b in range(4):
         one = speculative_generate(target, MedusaProposer(heads, MedusaConfig(choices=SHAPES["wide"])),
                                    ids[b:b + 1], mask[b:b + 1], max_new_tokens=20, temperature=0, eos_token_id=7)
@@ -362,13 +363,20 @@ def test_hydra_weights_round_trip(hydra, tmp_path):
 # ----------------------------------------------------------------------------- Hydra++'s prefix layer
 
 
-@pytest.fixture(scope="module", params=["attention", "layer", "pairs"])
+@pytest.fixture(scope="module", params=["attention", "layer", "pairs", "eagle"])
 def prefixed(request, hydra):
     """(target, Hydra heads, their history, the same heads given a prefix layer and trained 150 more
-    steps, its history)."""
+    steps, its history). "eagle": a fresh current-token EAGLE head, its x_t columns random."""
     target, _, seq, seq_hist = hydra
     train, held = split_heldout(_data(target, 160), 0.2, seed=0)
-    pre = _copy(target, seq).add_prefix(target, request.param)
+    pre = _copy(target, seq)
+    if request.param == "eagle":
+        e = EagleHead(target, seq.token_map, current_token=True)
+        with torch.no_grad():
+            e.fc.weight[:, 2 * seq.hidden_size:].normal_(0, 0.05, generator=torch.Generator().manual_seed(4))
+        pre.add_prefix(target, "eagle", e)
+    else:
+        pre.add_prefix(target, request.param)
     cfg = TrainConfig(steps=150, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=150, seed=0)
     res = fit(MedusaTask(pre, MedusaTrainConfig(ranks=4)), train, held, cfg, progress=False, log=lambda s: None)
     return target, seq, seq_hist, pre.eval(), res.history
@@ -387,38 +395,50 @@ def _causal(B, T, dtype=torch.float32):
 
 
 def test_prefix_starts_as_the_heads_and_learns_to_read_the_prefix(prefixed):
-    """add_prefix: the identity (its first held-out evaluation is the Hydra heads' last); training
-    then moves its residual branches, and a state it hands the heads depends on earlier positions
-    (never later ones)."""
+    """add_prefix: the identity (its first held-out evaluation is the Hydra heads' last; "eagle": the
+    EAGLE head given); training then moves its residual branches, and a state it hands the heads
+    depends on earlier positions (never later ones), "pairs" and "eagle" on the token after each
+    state, a current-token "eagle" on the token at it."""
     target, seq, seq_hist, pre, hist = prefixed
+    kind = pre.prefix_kind
     h = torch.randn(2, 6, seq.hidden_size)  # (B, T, D)
-    pos, nxt = torch.arange(6).expand(2, 6), torch.randint(0, V, (2, 6))  # (B, T) each
-    ctx = lambda states, toks=nxt: pre.contextualise(states, pos, _causal(2, 6), next_tokens=toks)  # noqa: E731
-    start = _copy(target, seq).add_prefix(target, pre.prefix_kind)
-    assert torch.equal(start.contextualise(h, pos, _causal(2, 6), next_tokens=nxt), h)
+    pos, nxt, cur = torch.arange(6).expand(2, 6), torch.randint(0, V, (2, 6)), torch.randint(0, V, (2, 6))  # (B, T)
+    ctx = lambda states, toks=nxt, c=cur: pre.contextualise(states, pos, _causal(2, 6), next_tokens=toks,  # noqa: E731
+                                                          cur_tokens=c)
+    if kind != "eagle":
+        start = _copy(target, seq).add_prefix(target, kind)
+        assert torch.equal(start.contextualise(h, pos, _causal(2, 6), next_tokens=nxt), h)
+        assert np.allclose(rank_accuracies(hist[0], 3, 4), rank_accuracies(seq_hist[-1], 3, 4))
+        assert float(pre.prefix.self_attn.o_proj.weight.detach().abs().max()) > 0
     assert seq.contextualise(h, pos, None) is h  # no prefix: the target's states themselves
-    assert np.allclose(rank_accuracies(hist[0], 3, 4), rank_accuracies(seq_hist[-1], 3, 4))
-    assert float(pre.prefix.self_attn.o_proj.weight.detach().abs().max()) > 0
     a = ctx(h)
     first, last = h.clone(), h.clone()
     first[:, 0] += 1.0
     last[:, 5] += 1.0
     assert not torch.allclose(ctx(first)[:, 5], a[:, 5])  # reads position 0
     assert torch.equal(ctx(last)[:, :5], a[:, :5])  # causal
-    other = nxt.clone()
-    other[:, 2] = (other[:, 2] + 1) % V
-    if pre.prefix_kind == "pairs":  # reads the token after each state
+    other, other_cur = nxt.clone(), cur.clone()
+    other[:, 2], other_cur[:, 2] = (other[:, 2] + 1) % V, (other_cur[:, 2] + 1) % V
+    if kind in ("pairs", "eagle"):  # reads the token after each state
         assert not torch.allclose(ctx(h, other)[:, 4], a[:, 4])
-        with pytest.raises(ValueError, match="'pairs' prefix needs next_tokens"):
+        with pytest.raises(ValueError, match=f"'{kind}' prefix needs next_tokens"):
             pre.contextualise(h, pos, _causal(2, 6))
     else:
         assert torch.equal(ctx(h, other), a)
+    if kind == "eagle":  # and the token at it
+        assert not torch.allclose(ctx(h, nxt, other_cur)[:, 4], a[:, 4])
+    else:
+        assert torch.equal(ctx(h, nxt, other_cur), a)
     with pytest.raises(ValueError, match="already have a prefix"):
         pre.add_prefix(target, "layer")
     with pytest.raises(ValueError, match="prefix must be one of"):
         _copy(target, seq).add_prefix(target, "mlp")
     with pytest.raises(ValueError, match="not a Llama-family causal LM"):
         _copy(target, seq).add_prefix(torch.nn.Linear(2, 2), "layer")
+    with pytest.raises(ValueError, match="of kind 'eagle' only"):
+        _copy(target, seq).add_prefix(target, "layer", EagleHead(target, seq.token_map))
+    with pytest.raises(ValueError, match="an 'eagle' prefix is an EAGLE-1 EagleHead"):
+        _copy(target, seq).add_prefix(target, "eagle", torch.nn.Linear(2, 2))
 
 
 def test_prefix_cache_gives_the_training_states(prefixed):
@@ -430,7 +450,8 @@ def test_prefix_cache_gives_the_training_states(prefixed):
     B, T, D = 3, 14, pre.hidden_size
     feats = torch.randn(B, T, D, generator=g)  # (B, T, D) the target's states at positions 0..T-1
     tokens = torch.randint(0, V, (B, T + 1), generator=g)  # (B, T + 1) the tokens x_0 .. x_T
-    full = pre.contextualise(feats, torch.arange(T).expand(B, T), _causal(B, T), next_tokens=tokens[:, 1:])  # (B, T, D)
+    full = pre.contextualise(feats, torch.arange(T).expand(B, T), _causal(B, T), next_tokens=tokens[:, 1:],
+                             cur_tokens=tokens[:, :T])  # (B, T, D)
     valid = torch.arange(T).view(1, T) < torch.tensor([T, 9, 11]).view(B, 1)  # (B, T) right-padded rows
     batch = Batch(tokens[:, :T] * valid, valid, valid, torch.zeros(B, T, 1, dtype=torch.long),
                   torch.zeros(B, T, 1), torch.where(valid[..., None], feats, 0.0))
@@ -464,16 +485,24 @@ def test_prefix_greedy_parity_ragged_batch(prefixed):
 
 
 @pytest.mark.two_threads
-def test_prefix_lossless_tree_sampling_whole_loop(hydra):
+@pytest.mark.parametrize("kind", ["layer", "eagle"])
+def test_prefix_lossless_tree_sampling_whole_loop(hydra, kind):
     """The Medusa chi-square (first 2 tokens, 256 cells, 50,000 rows) on Hydra heads reading a prefix
-    layer (random residual branches, so the layer matters): its states are the history's, the
-    siblings still a function of the history, the acceptance exact."""
+    layer (random residual branches, so the layer matters; "eagle": Hydra heads on a random
+    current-token EAGLE head, hydra_on_eagle): its states are the history's, the siblings still a
+    function of the history, the acceptance exact."""
     target, _, seq, _ = hydra
-    pre = _copy(target, seq).add_prefix(target, "layer")
     g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for w in (pre.prefix.self_attn.o_proj.weight, pre.prefix.mlp.down_proj.weight):
-            w.copy_(0.1 * torch.randn(w.shape, generator=g))
+    if kind == "layer":
+        pre = _copy(target, seq).add_prefix(target, "layer")
+        with torch.no_grad():
+            for w in (pre.prefix.self_attn.o_proj.weight, pre.prefix.mlp.down_proj.weight):
+                w.copy_(0.1 * torch.randn(w.shape, generator=g))
+    else:
+        e = EagleHead(target, seq.token_map, seed=2, current_token=True)
+        with torch.no_grad():
+            e.fc.weight[:, 2 * seq.hidden_size:].normal_(0, 0.05, generator=g)
+        pre = hydra_on_eagle(target, seq, e)
     exact, res, tv, s = _joint_run((target, pre.eval(), None), 1.0, 0, "lossless", 50_000, 2, 9)
     assert res.p_value > 1e-3, (res, tv)
     assert s.num_accepted_tokens > 10_000 and s.num_draft_tokens - s.num_accepted_tokens > 10_000, s
@@ -485,8 +514,37 @@ def test_prefix_weights_round_trip(prefixed, tmp_path):
     again = load_medusa(target, tmp_path / "p.safetensors")
     assert again.prefix_kind == pre.prefix_kind and again.sequential
     assert set(dict(again.trainable())) == set(dict(pre.trainable()))
-    h, nxt = torch.randn(2, 5, pre.hidden_size), torch.randint(0, V, (2, 5))
+    h, nxt, cur = torch.randn(2, 5, pre.hidden_size), torch.randint(0, V, (2, 5)), torch.randint(0, V, (2, 5))
     pos = torch.arange(5).expand(2, 5)
-    assert torch.allclose(again.contextualise(h, pos, _causal(2, 5), next_tokens=nxt),
-                          pre.contextualise(h, pos, _causal(2, 5), next_tokens=nxt), atol=3e-2)  # stored as float16
+    assert torch.allclose(again.contextualise(h, pos, _causal(2, 5), next_tokens=nxt, cur_tokens=cur),
+                          pre.contextualise(h, pos, _causal(2, 5), next_tokens=nxt, cur_tokens=cur),
+                          atol=3e-2)  # stored as float16
     assert measure_heads_cost(target, pre, reps=3)["c"] > 0  # the heads' step with the prefix layer's
+
+
+def test_hydra_on_eagle_starts_as_the_eagle_head_and_the_hydra_heads(hydra):
+    """hydra_on_eagle: head 1's logits are the EAGLE head's (its first draft), head k >= 2 is the Hydra
+    heads' head k - 1 one position on (the prefix's f^_{t+1} read as h_{t+1}); the draft vocabulary
+    is the EAGLE head's. Greedy parity through the whole loop."""
+    target, medusa, seq, _ = hydra
+    D = seq.hidden_size
+    e = EagleHead(target, torch.arange(V), seed=3, current_token=True)
+    with torch.no_grad():
+        e.fc.weight[:, 2 * D:].normal_(0, 0.05, generator=torch.Generator().manual_seed(5))
+    out = hydra_on_eagle(target, seq, e, 3)
+    assert out.prefix_kind == "eagle" and out.num_heads == 3 and torch.equal(out.token_map, e.token_map)
+    h, pos = torch.randn(2, 6, D), torch.arange(6).expand(2, 6)
+    nxt, cur, toks = (torch.randint(0, V, (2, 6)), torch.randint(0, V, (2, 6)),
+                      torch.randint(0, V, (2, 6, 3)))  # x_{t+1}, x_t and x_{t+1} .. x_{t+3}
+    f = out.contextualise(h, pos, _causal(2, 6), next_tokens=nxt, cur_tokens=cur)  # (B, T, D) f^_{t+1}
+    with torch.no_grad():
+        assert torch.allclose(out.head(1, f, toks[..., :1]), e.logits(e(h, nxt, pos, _causal(2, 6), cur_tokens=cur)),
+                              atol=1e-6)
+        for k in (2, 3):  # the Hydra head k - 1 on (f^_{t+1}, x_{t+2} ..), at the target ids both can draft
+            assert torch.allclose(out.head(k, f, toks[..., :k])[..., seq.token_map],
+                                  seq.head(k - 1, f, toks[..., 1:k]), atol=1e-5)
+    with pytest.raises(ValueError, match="needs sequential MedusaHeads"):
+        hydra_on_eagle(target, medusa, e)
+    with pytest.raises(ValueError, match=r"num_heads must be an int in \[1, 4\]"):
+        hydra_on_eagle(target, seq, e, 5)
+    _greedy_parity_and_batch_independence(target, out, min_tau=0.0)  # an untrained EAGLE head: rarely accepted

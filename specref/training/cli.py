@@ -76,8 +76,14 @@ def _train_main(argv=None) -> int:
                     "its first --medusa-heads heads")
     ap.add_argument("--medusa-prefix", choices=PREFIX_KINDS, default=None, help="medusa: Hydra++'s prefix "
                     "layer over the target's states, read by the heads ('layer': a decoder layer, 'attention': its "
-                    "attention block, 'pairs': the layer over each state with the token after it); with --init of a "
-                    "file without one, it starts as the identity")
+                    "attention block, 'pairs': the layer over each state with the token after it, 'eagle': an EAGLE-1 "
+                    "head over those pairs); with --init of a file without one, it starts as the identity (an "
+                    "'eagle' prefix: as --prefix-from's head)")
+    ap.add_argument("--freeze-prefix", action="store_true", help="medusa: train the heads, not their prefix "
+                    "layer (with --prefix-from: head 1 stays the EAGLE head's first draft unless its own block moves)")
+    ap.add_argument("--prefix-from", default=None, help="medusa: an EAGLE-1 head's file (e.g. the committed "
+                    "specref/weights/smollm2_135m_eagle.safetensors.xz) that the Hydra heads of --init read as their "
+                    "'eagle' prefix: head 1 starts as its first draft, head k + 1 as the file's head k")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
@@ -213,10 +219,11 @@ def _medusa(a, train_cfg: TrainConfig) -> int:
     from .medusa import run_medusa_training
 
     cfg = MedusaTrainConfig(num_heads=a.medusa_heads, num_layers=a.medusa_layers, draft_vocab=a.draft_vocab,
-                            own_lm_head=a.own_lm_head, sequential=a.hydra, prefix=a.medusa_prefix)
+                            own_lm_head=a.own_lm_head, sequential=a.hydra, prefix=a.medusa_prefix,
+                            freeze_prefix=a.freeze_prefix)
     target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
     run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
-                        init=a.init)
+                        init=a.init, prefix_from=a.prefix_from)
     _export(out / "medusa.safetensors", a.export)
     return 0
 

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from ..costs import measure_verify_cost
-from ..medusa_heads import (PREFIX_KINDS, MedusaHeads, hydra_from_medusa, load_medusa, measure_heads_cost,
-                            save_medusa)
+from ..eagle_head import load_eagle
+from ..medusa_heads import (PREFIX_KINDS, MedusaHeads, hydra_from_medusa, hydra_on_eagle, load_medusa,
+                            measure_heads_cost, save_medusa)
 from ..target import additive_mask
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
@@ -53,6 +54,8 @@ class MedusaTrainConfig:
     sequential: bool = False  # True: Hydra's sequentially dependent heads (medusa_heads.py)
     prefix: Optional[str] = None  # "layer" / "attention" / "pairs": a prefix layer (medusa_heads.py); with
     # init, added to a file's heads that have none (starting as the identity)
+    freeze_prefix: bool = False  # True: the prefix layer is not trained (e.g. an "eagle" prefix from a trained
+    # EAGLE-1 head: the heads' shared loss would move it towards the later heads, away from head 1's label)
     decay: float = 0.8  # lambda: head k's loss weight is decay ** k
     ranks: int = 8  # held-out: per-rank accuracies a_k(i) for i < ranks (the tree builder's input)
     heldout_fraction: float = 0.05  # sequences held out
@@ -82,7 +85,8 @@ class MedusaTask:
         self.inv = inverse_map(heads.token_map, heads.vocab_size)  # (V,) target -> draft id
 
     def named_trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
-        return self.module.trainable()
+        frozen = self.config.freeze_prefix and self.module.prefix is not None
+        return [(n, q) for n, q in self.module.trainable() if not (frozen and n.startswith("prefix"))]
 
     def _states(self, batch: Batch) -> torch.Tensor:
         """The states the heads read: the target's features (B, T, D), through the prefix layer
@@ -96,8 +100,9 @@ class MedusaTask:
         ar = torch.arange(T, device=batch.features.device)  # (T,)
         allowed = (ar.view(1, T) <= ar.view(T, 1)).unsqueeze(0) & batch.attention[:, None, :T].bool()  # (B, T, T)
         nxt = torch.cat([batch.tokens[:, 1:], torch.zeros_like(batch.tokens[:, :1])], dim=1)  # (B, T) x_{t+1}
-        return self.module.contextualise(batch.features.to(dt), ar.expand(B, T), additive_mask(allowed, dt),
-                                         next_tokens=nxt)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.config.freeze_prefix):
+            return self.module.contextualise(batch.features.to(dt), ar.expand(B, T), additive_mask(allowed, dt),
+                                             next_tokens=nxt, cur_tokens=batch.tokens)
 
     def _head(self, batch: Batch, k: int, states: torch.Tensor):
         """Head k (1-based) at every position t whose label (the top-k stored at t+k) exists, on the
@@ -156,14 +161,29 @@ def rank_accuracies(metrics: Dict[str, float], num_heads: int, ranks: int, prefi
 
 def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
                         train_cfg: TrainConfig, cfg: MedusaTrainConfig, out_path, *, run_dir=None,
-                        data_record: Optional[dict] = None, measure_costs: bool = True, init=None) -> dict:
+                        data_record: Optional[dict] = None, measure_costs: bool = True, init=None,
+                        prefix_from=None) -> dict:
     """Train heads on sequences WITH features (the feature store's), pick the tree for this
     machine from the held-out accuracies and the measured costs, save to out_path. -> record.
-    init: a file (save_medusa's) to continue from, its heads and draft vocabulary kept."""
+    init: a file (save_medusa's) to continue from, its heads and draft vocabulary kept.
+    prefix_from: an EAGLE-1 head's file (save_eagle's) that Hydra heads from `init` get as their
+    "eagle" prefix (medusa_heads.hydra_on_eagle: cfg.num_heads heads, at most one more than the
+    file's; the EAGLE head's draft vocabulary)."""
     V = target.get_output_embeddings().weight.shape[0]
+    if prefix_from is not None and (init is None or cfg.prefix != "eagle" or not cfg.sequential):
+        raise ValueError("prefix_from (an EAGLE-1 head's file) needs init (Hydra heads), sequential heads and the "
+                         "prefix 'eagle'")
     if init is not None:
         heads = load_medusa(target, init)
         data_record = {**(data_record or {}), "init": Path(str(init)).name}
+        if prefix_from is not None:  # head 1 the EAGLE head's first draft, head k + 1 the file's head k
+            if heads.prefix is not None:
+                raise ValueError(f"{init} already has a prefix {heads.prefix_kind!r}")
+            if not heads.sequential:
+                heads = hydra_from_medusa(target, heads)
+            heads = hydra_on_eagle(target, heads, load_eagle(target, prefix_from),
+                                   min(cfg.num_heads, heads.num_heads + 1)).train()
+            data_record["prefix_from"] = Path(str(prefix_from)).name
         if cfg.sequential and not heads.sequential:  # Hydra heads that start as the file's Medusa heads
             heads = hydra_from_medusa(target, heads, min(cfg.num_heads, heads.num_heads))
             data_record["init_from"] = "medusa"

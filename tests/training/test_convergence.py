@@ -192,6 +192,37 @@ def test_a_continued_head_keeps_and_records_its_files_shape(store, tmp_path):
     with pytest.raises(ValueError, match="has a prefix 'layer', not the 'attention' asked for"):
         run_medusa_training(target, *fin, TCFG, MedusaTrainConfig(num_heads=1, sequential=True, prefix="attention"),
                             tmp_path / "y3.safetensors", measure_costs=False, init=tmp_path / "y2.safetensors")
+    # an EAGLE-1 head's file as the "eagle" prefix of those Hydra heads: one head more (head 1 the EAGLE
+    # head's first draft), the EAGLE head's draft vocabulary, the prefix kept in the saved file
+    from specref.training.eagle import EagleTrainConfig, run_eagle_store_training
+
+    run_eagle_store_training(target, *fin, TCFG, EagleTrainConfig(draft_vocab=12), tmp_path / "e.safetensors")
+    pcfg = MedusaTrainConfig(num_heads=3, sequential=True, prefix="eagle")
+    rec4 = run_medusa_training(target, *fin, TCFG, pcfg, tmp_path / "y6.safetensors", measure_costs=False,
+                               init=tmp_path / "y.safetensors", prefix_from=tmp_path / "e.safetensors")
+    assert (rec4["medusa"]["num_heads"], rec4["medusa"]["prefix"], rec4["medusa"]["draft_vocab"]) == (2, "eagle", 12)
+    assert rec4["data"]["prefix_from"] == "e.safetensors"
+    y6 = load_medusa(target, tmp_path / "y6.safetensors")
+    assert y6.prefix_kind == "eagle" and y6.num_heads == 2
+    # --freeze-prefix: the heads train, the EAGLE head's tensors are saved as they came
+    from specref.eagle_head import load_eagle
+
+    rec5 = run_medusa_training(target, *fin, TCFG, replace(pcfg, freeze_prefix=True), tmp_path / "y8.safetensors",
+                               measure_costs=False, init=tmp_path / "y.safetensors",
+                               prefix_from=tmp_path / "e.safetensors")
+    e, y8 = load_eagle(target, tmp_path / "e.safetensors"), load_medusa(target, tmp_path / "y8.safetensors")
+    kept, moved = dict(y8.prefix.named_parameters()), dict(y6.prefix.named_parameters())
+    assert all(torch.equal(kept[n], q) for n, q in e.trainable())
+    assert not all(torch.equal(moved[n], q) for n, q in e.trainable())
+    start = load_medusa(target, tmp_path / "y.safetensors").blocks[0][0].linear.weight  # y8's head 2 started as it
+    assert rec5["medusa"]["freeze_prefix"] and not torch.equal(y8.blocks[1][0].linear.weight, start)
+    for bad in (dict(init=None), dict(init=tmp_path / "y.safetensors", cfg=replace(pcfg, prefix="layer"))):
+        with pytest.raises(ValueError, match="prefix_from .* needs init"):
+            run_medusa_training(target, *fin, TCFG, bad.get("cfg", pcfg), tmp_path / "y7.safetensors",
+                                measure_costs=False, init=bad["init"], prefix_from=tmp_path / "e.safetensors")
+    with pytest.raises(ValueError, match="already has a prefix 'layer'"):
+        run_medusa_training(target, *fin, TCFG, pcfg, tmp_path / "y7.safetensors", measure_costs=False,
+                            init=tmp_path / "y2.safetensors", prefix_from=tmp_path / "e.safetensors")
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=1, draft_vocab=V), tmp_path / "t.safetensors", **q)
     run_mtp_training(target, *fin, TCFG, MTPTrainConfig(num_modules=2, draft_vocab=32), tmp_path / "t2.safetensors",
                      init=tmp_path / "t.safetensors", **q)
@@ -284,13 +315,19 @@ def test_levers_reach_their_settings(monkeypatch, tmp_path):
     from specref.training import medusa as medusa_training
 
     monkeypatch.setattr(medusa_training, "run_medusa_training",
-                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"]))
+                        lambda t, tr, h, tc, c, o, **k: seen.update(train=tc, cfg=c, init=k["init"],
+                                                                   prefix_from=k["prefix_from"]))
     cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-heads", "2", "--init", "m.safetensors",
                     "--medusa-layers", "2"])
     assert seen["cfg"].sequential and seen["cfg"].num_heads == 2 and seen["init"] == "m.safetensors"
     assert seen["cfg"].num_layers == 2 and seen["cfg"].prefix is None
     cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-prefix", "attention"])
-    assert seen["cfg"].prefix == "attention"
+    assert seen["cfg"].prefix == "attention" and seen["prefix_from"] is None
+    cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-prefix", "eagle", "--init", "y.safetensors",
+                    "--prefix-from", "e.safetensors"])
+    assert seen["cfg"].prefix == "eagle" and seen["prefix_from"] == "e.safetensors" and not seen["cfg"].freeze_prefix
+    cli.train_main(["--method", "medusa", "--store", "S", "--hydra", "--medusa-prefix", "eagle", "--freeze-prefix"])
+    assert seen["cfg"].freeze_prefix
     cli.train_main(["--method", "medusa", "--store", "S"])
     assert not seen["cfg"].sequential
 
