@@ -560,7 +560,7 @@ def hydra_on_eagle(target: torch.nn.Module, hydra: MedusaHeads, eagle: EagleHead
     logits are the EAGLE head's first draft, LMHead(f^_{t+1}); head k >= 2 is hydra's head k - 1 one
     position on: it reads f^_{t+1} where that head read h_t and x_{t+2} .. x_{t+k} where it read
     x_{t+1} .. x_{t+k-1} (x_{t+1}'s columns zero). The draft vocabulary is the EAGLE head's (the LM
-    head rows are the target's). num_heads: 2 .. hydra.num_heads + 1 (default hydra.num_heads)."""
+    head rows are the target's). num_heads: 1 .. hydra.num_heads + 1 (default hydra.num_heads)."""
     if not isinstance(hydra, MedusaHeads) or not hydra.sequential or hydra.own_lm_head or hydra.prefix is not None:
         raise ValueError("hydra_on_eagle needs sequential MedusaHeads (Hydra) that share the target's LM head and "
                          "have no prefix of their own (hydra_from_medusa makes Hydra heads from Medusa heads)")

@@ -52,8 +52,9 @@ class MedusaTrainConfig:
     own_lm_head: bool = False  # True: each head trains its own copy of the LM head (Medusa-1's); with init of
     # a file whose heads share the frozen one, each head starts from a copy of it
     sequential: bool = False  # True: Hydra's sequentially dependent heads (medusa_heads.py)
-    prefix: Optional[str] = None  # "layer" / "attention" / "pairs": a prefix layer (medusa_heads.py); with
-    # init, added to a file's heads that have none (starting as the identity)
+    prefix: Optional[str] = None  # "layer" / "attention" / "pairs" / "eagle": a prefix layer (medusa_heads.py);
+    # with init, added to a file's heads that have none (starting as the identity; "eagle": run_medusa_training's
+    # prefix_from)
     freeze_prefix: bool = False  # True: the prefix layer is not trained (e.g. an "eagle" prefix from a trained
     # EAGLE-1 head: the heads' shared loss would move it towards the later heads, away from head 1's label)
     decay: float = 0.8  # lambda: head k's loss weight is decay ** k
