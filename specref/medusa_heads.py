@@ -128,8 +128,8 @@ class MedusaHeads(torch.nn.Module):
     """K heads over the target's final normed state, each num_layers ResBlocks and an LM head over
     the draft vocabulary token_map (default: the whole vocabulary); sequential=True: Hydra's heads,
     head k also reading the embeddings of the k tokens before its position; prefix ("attention",
-    "layer" or "pairs"): the heads read the output of a prefix layer over the target's states (the
-    module docstring)."""
+    "layer", "pairs" or "eagle"): the heads read the output of a prefix layer over the target's
+    states (the module docstring)."""
 
     def __init__(self, target: torch.nn.Module, num_heads: int = 3, token_map: Optional[torch.Tensor] = None, *,
                  num_layers: int = 1, own_lm_head: bool = False, sequential: bool = False,
@@ -256,15 +256,12 @@ class MedusaHeads(torch.nn.Module):
         token at each state's position -> h~ (B, Q, D); h itself without a prefix."""
         if self.prefix is None:
             return h
+        if self.prefix_kind in ("pairs", "eagle") and (next_tokens is None or next_tokens.shape != h.shape[:-1]):
+            raise ValueError(f"a '{self.prefix_kind}' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
+                             f"{None if next_tokens is None else tuple(next_tokens.shape)}")
         if self.prefix_kind == "eagle":
-            if next_tokens is None or next_tokens.shape != h.shape[:-1]:
-                raise ValueError(f"an 'eagle' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
-                                 f"{None if next_tokens is None else tuple(next_tokens.shape)}")
             return self.prefix(h, next_tokens, positions, mask, cache, cur_tokens=cur_tokens)  # (B, Q, D) f^_{t+1}
         if self.prefix_in is not None:
-            if next_tokens is None or next_tokens.shape != h.shape[:-1]:
-                raise ValueError(f"a 'pairs' prefix needs next_tokens of shape {tuple(h.shape[:-1])}, got "
-                                 f"{None if next_tokens is None else tuple(next_tokens.shape)}")
             with torch.no_grad():
                 e = self._prefix_embed[0](next_tokens.clamp(min=0)).to(h.dtype)  # (B, Q, D)
             h = self.prefix_in(torch.cat([h, e], dim=-1))  # (B, Q, D)

@@ -355,7 +355,8 @@ class Registry:
             heads, n = self.hydra_heads(), self.proposer("hydra").k
             if name == "hybrid_hydra":
                 return f"specref n-gram, else Hydra heads ({n}-node tree; {costs(self.ngram_config())})"
-            pre = {None: "", "eagle": " on an EAGLE-1 prefix"}.get(heads.prefix_kind, f" on a '{heads.prefix_kind}' prefix")
+            kind = heads.prefix_kind
+            pre = "" if kind is None else " on an EAGLE-1 prefix" if kind == "eagle" else f" on a '{kind}' prefix"
             return f"specref Hydra heads ({heads.num_heads} sequential heads{pre}, {n}-node tree; lossless)"
         if name in ("mlp_speculator", "hybrid_mlp_speculator"):
             spec, k = self.mlp_speculator()
