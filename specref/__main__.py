@@ -1,4 +1,5 @@
-"""`python -m specref demo | generate | oracle | bench | train | data`: the command-line entry points.
+"""`python -m specref demo | generate | pick | oracle | bench | train | data | corpus | rebuild`: the
+command-line entry points.
 
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
            sampled, with the speed-up over autoregressive_generate measured in the same run.
@@ -11,6 +12,8 @@ oracle   - check a rejection sampler for losslessness (oracle/).
 bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
 train    - training of the draft, the EAGLE head, Medusa heads or MTP modules (training/).
 data     - the feature store: real text scored teacher-forced by the target (training/store.py).
+corpus   - the committed corpus of the target's own answers (training/committed_corpus.py).
+rebuild  - a committed weight file rebuilt from the committed corpus by its chain (training/rebuild.py).
 """
 from __future__ import annotations
 
@@ -312,7 +315,7 @@ def _method_list(s: str) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("oracle", "bench", "train", "data", "corpus"):  # subcommands with their own parsers
+    if argv and argv[0] in ("oracle", "bench", "train", "data", "corpus", "rebuild"):  # subcommands with their own parsers
         if argv[0] == "data":
             from .training.store import data_main as sub_main
         elif argv[0] == "corpus":
@@ -321,6 +324,8 @@ def main(argv=None) -> int:
             from .oracle.cli import oracle_main as sub_main
         elif argv[0] == "bench":
             from .bench.runner import bench_main as sub_main
+        elif argv[0] == "rebuild":
+            from .training.rebuild import rebuild_main as sub_main
         else:
             from .training.cli import train_main as sub_main
         return sub_main(argv[1:])
@@ -383,6 +388,8 @@ def main(argv=None) -> int:
     sub.add_parser("train", help="train a learned proposer: python -m specref train --help")
     sub.add_parser("data", help="the feature store of real text: python -m specref data --help")
     sub.add_parser("corpus", help="the committed training corpus: python -m specref corpus --help")
+    sub.add_parser("rebuild", help="rebuild a committed weight file from the committed corpus: "
+                   "python -m specref rebuild --help")
     args = ap.parse_args(argv)
     if args.cmd == "generate" and args.draft is not None and args.method is not None:
         g.error("give --method or --draft, not both")

@@ -3,7 +3,7 @@
 speculative_generate == autoregressive_generate == HF generate(do_sample=False), batch 1 and 4 with
 prompts of different lengths, k = 4, a draft model (the target's first 2 layers: mostly
 rejected) and the target itself as draft (always accepted: exercises full accepts); the committed
-Medusa heads (two tree shapes), MTP modules (D = 2, and D = 1 reused for k = 3), the MLP speculator
+Medusa heads (two tree shapes), the Hydra heads on the EAGLE-1 head, MTP modules (D = 2, and D = 1 reused for k = 3), the MLP speculator
 and the committed EAGLE-1 head growing EAGLE-2 dynamic trees, the committed EAGLE-3 head (chains and trees).
 """
 import pytest
@@ -91,6 +91,25 @@ def test_committed_medusa_heads_greedy_parity(default):
     row = enc.input_ids[2][enc.attention_mask[2].bool()]
     one = speculative_generate(model, MedusaProposer(heads), row, max_new_tokens=N_NEW, temperature=0)
     assert one.row(0) == ar.row(2)
+
+
+def test_committed_hydra_heads_greedy_parity(default):
+    """The committed Hydra heads, whose EAGLE-1 prefix is read from the committed EAGLE-1 file (the
+    file references it): the prefix equals that head, and batch 4 with ragged prompts over the tree
+    the file ships equals plain greedy decoding, with drafts accepted."""
+    from specref.eagle_head import load_eagle
+    from specref.medusa_heads import HYDRA_WEIGHTS, MedusaConfig, MedusaProposer, load_medusa
+
+    model, tok, enc, ar = default
+    heads = load_medusa(model, HYDRA_WEIGHTS)
+    eagle = load_eagle(model)
+    assert heads.sequential and heads.prefix_kind == "eagle"
+    for (n, q), (m, w) in zip(heads.prefix.named_parameters(), eagle.named_parameters(), strict=True):
+        assert n == m and torch.equal(q, w), n
+    out = speculative_generate(model, MedusaProposer(heads, MedusaConfig()), enc.input_ids, enc.attention_mask,
+                               max_new_tokens=N_NEW, temperature=0)
+    assert torch.equal(out.tokens, ar.tokens)
+    assert out.stats.num_accepted_tokens > 0
 
 
 def test_committed_mtp_modules_greedy_parity(default):

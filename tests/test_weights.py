@@ -216,3 +216,56 @@ def test_xz_files_read_as_the_plain_ones(tmp_path):
     bad.write_bytes(packed.read_bytes()[:-40])
     with pytest.raises(ValueError, match="bad.safetensors.xz"):
         read_weights(bad)
+
+
+def test_tensors_by_reference_to_another_file(tmp_path):
+    """compact(ref=(PREFIX, FILE)) drops the tensors under PREFIX and references FILE, whose tensors
+    they are (a 16-bit copy of an int8 file links); reading the file puts FILE's tensors back, found
+    beside it; linking trained-away or other-named tensors, a changed or missing FILE, are ValueErrors
+    naming them; copy_weights keeps the reference."""
+    from specref.weights import compact, copy_weights, dequantise, read_weights, tensor_names
+
+    g = torch.Generator().manual_seed(2)
+    head = {"fc.weight": torch.randn(16, 64, generator=g).half(), "norm.weight": torch.rand(16, generator=g).half(),
+            "token_map": torch.arange(5, dtype=torch.int32)}
+    ref = tmp_path / "eagle.safetensors.xz"
+    save_weights(ref, head, {"format": "specref-eagle-1"})
+    compact(ref)  # the referenced file is int8, as the committed ones are
+    ref_t = dequantise(read_weights(ref)[0])
+    frozen = {"prefix." + n: t.half() for n, t in ref_t.items() if n != "token_map"}  # a 16-bit copy of it
+    own = {"inputs.0.weight": torch.randn(16, 32, generator=g).half(), "token_map": torch.arange(5, dtype=torch.int32)}
+    src = tmp_path / "hydra16.safetensors"
+    save_weights(src, {**own, **frozen}, {"format": "specref-medusa-1"})
+    out = tmp_path / "hydra.safetensors.xz"
+    compact(src, out, ref=("prefix.", str(ref)))
+    raw, meta = read_weights(out, resolve_refs=False)
+    assert not any(n.startswith("prefix.") for n in raw) and meta["storage"] == "int8"
+    assert json.loads(meta["tensor_refs"])["prefix."]["file"] == "eagle.safetensors.xz"
+    got = dequantise(read_weights(out)[0])
+    for n, t in ref_t.items():  # the referenced file's own values, not the 16-bit copy's
+        if n != "token_map":
+            assert torch.equal(got["prefix." + n], t)
+    assert read_weights(out, ["prefix.norm.weight"])[0].keys() == {"prefix.norm.weight"}
+    assert sorted(tensor_names(out)) == sorted(read_weights(out)[0])
+    dst = {n: torch.zeros_like(t, dtype=torch.float32) for n, t in got.items() if n != "token_map"}
+    load_tensors(out, dst, "test heads")  # every parameter, the referenced ones included
+    assert torch.equal(dst["prefix.fc.weight"], ref_t["fc.weight"])
+    copy_weights(out, tmp_path / "copy.safetensors")
+    assert "tensor_refs" in read_weights(tmp_path / "copy.safetensors", ())[1]
+    # refused: a prefix that training moved, names that differ, a second reference
+    moved = dict(frozen, **{"prefix.fc.weight": frozen["prefix.fc.weight"] + 0.01})
+    save_weights(tmp_path / "moved.safetensors", {**own, **moved}, {"format": "specref-medusa-1"})
+    with pytest.raises(ValueError, match="prefix.fc.weight is not eagle.safetensors.xz's fc.weight"):
+        compact(tmp_path / "moved.safetensors", tmp_path / "m.safetensors", ref=("prefix.", str(ref)))
+    with pytest.raises(ValueError, match="only in the file: \\['0.weight'\\]"):
+        compact(src, tmp_path / "n.safetensors", ref=("inputs.", str(ref)))
+    with pytest.raises(ValueError, match="already references"):
+        compact(out, tmp_path / "o.safetensors", ref=("prefix.", str(ref)))
+    # refused at reading: the referenced file changed, or is not there
+    save_weights(ref, {**head, "norm.weight": torch.zeros(16).half()}, {"format": "specref-eagle-1"})
+    with pytest.raises(ValueError, match="holds other tensors: it changed after the link"):
+        read_weights(out)
+    ref.unlink()
+    with pytest.raises(ValueError, match="neither beside it nor among the committed weights"):
+        read_weights(out)
+    assert read_weights(out, ["inputs.0.weight"])[0].keys() == {"inputs.0.weight"}  # its own tensors still read

@@ -28,8 +28,8 @@ def train_main(argv=None) -> int:
         close_processes()  # several processes (accelerate launch): the group closed before exit
 
 
-def _train_main(argv=None) -> int:
-    """The command itself: parse the arguments, run the chosen method's training."""
+def train_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m specref train` (rebuild.py checks its recipes against it)."""
     ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
     ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator"),
                     default="draft",
@@ -124,7 +124,12 @@ def _train_main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=TrainConfig.max_len, help="tokens kept per training sequence")
     ap.add_argument("--measure-only", nargs="?", const="", default=None, metavar="PATH",
                     help="no training: measure a trained draft (default: the committed one) and exit")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _train_main(argv=None) -> int:
+    """The command itself: parse the arguments, run the chosen method's training."""
+    a = train_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.init is not None and (a.method in ("eagle", "draft") and not a.store or a.method == "mtp" and a.data):

@@ -321,10 +321,9 @@ def bench_answers(path, method: str = "ar") -> List[List[int]]:
     return [r["tokens"] for r in recs]
 
 
-def corpus_main(argv=None) -> int:
-    """`python -m specref corpus add | verify | export | stats | coverage`."""
+def corpus_parser():
+    """The command line of `python -m specref corpus` (rebuild.py checks its recipes against it)."""
     import argparse
-    import time
 
     ap = argparse.ArgumentParser(prog="python -m specref corpus", description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default="corpus", help="the corpus folder (default: ./corpus)")
@@ -355,7 +354,14 @@ def corpus_main(argv=None) -> int:
     p.add_argument("--parts", nargs="*", default=None,
                    help="the corpus parts to build the vocabulary from (default: all)")
     p.add_argument("--fraction", type=float, default=1.0)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def corpus_main(argv=None) -> int:
+    """`python -m specref corpus add | verify | export | stats | coverage`."""
+    import time
+
+    a = corpus_parser().parse_args(argv)
     t0 = time.perf_counter()
     if a.cmd == "add":
         from ..models import load_default

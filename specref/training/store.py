@@ -343,10 +343,8 @@ def _finish(man: dict, sources) -> None:
 # ----------------------------------------------------------------------------- the command
 
 
-def data_main(argv=None) -> int:
-    """`python -m specref data`: score the default model's feature store (resumable); with
-    --self-instruct N, first write (or finish) the --distilled folder: the target's own requests
-    (self_instruct.py) and its greedy answers, in --dtype."""
+def data_parser():
+    """The command line of `python -m specref data` (rebuild.py checks its recipes against it)."""
     import argparse
 
     from . import corpus
@@ -388,7 +386,16 @@ def data_main(argv=None) -> int:
                     "scoring: the run that grows the committed corpus (`corpus add` takes the folder)")
     ap.add_argument("--eval-file", nargs="+", default=None, help="evaluation JSONL files that no training text may "
                     "share a word 13-gram with (default: $SPECREF_SPEC_BENCH; neither: unchecked, said in the manifest)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def data_main(argv=None) -> int:
+    """`python -m specref data`: score the default model's feature store (resumable); with
+    --self-instruct N, first write (or finish) the --distilled folder: the target's own requests
+    (self_instruct.py) and its greedy answers, in --dtype."""
+    from . import corpus
+
+    a = data_parser().parse_args(argv)
     evals = corpus.eval_files(a.eval_file)  # the contamination check's files (by name in the manifest)
     if not a.sources and not a.distilled:
         raise ValueError("nothing to score: give --sources and/or --distilled FOLDER")

@@ -22,14 +22,16 @@ only the named matrices as int4 and the rest as int8 rows (storage `int8+int4`):
 holds its two MLPs so (0.002 of agreement for 2.4 MB; its LM head as int4 would cost 0.008 more).
 A file whose name ends in `.xz` is the same safetensors
 bytes xz-compressed (Python's lzma; written so by save_weights, read transparently): on int8 rows
-it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file: its
-train command, then `python -m specref.weights compact FILE --out specref/weights/NAME.safetensors.xz`.
+it saves a further ~11%, which is what keeps the tracked tree small. Rebuild a committed file from
+the committed corpus: `python -m specref rebuild NAME --work DIR` (training/rebuild.py: the chain
+of exports, stores, runs and compactions that made it).
 
-The files committed here (`python -m specref train` rebuilds them; BENCHMARKS.md has the numbers):
+The files committed here (BENCHMARKS.md has the numbers):
   smollm2_135m_draft.safetensors.xz           the trained 2-layer draft of the default model
   smollm2_135m_eagle.safetensors.xz           the EAGLE-1 head of the default model
   smollm2_135m_eagle3.safetensors.xz          the EAGLE-3 head of the default model
   smollm2_135m_medusa.safetensors.xz          the Medusa heads of the default model (and their tree)
+  smollm2_135m_hydra.safetensors.xz           Hydra heads on the EAGLE-1 head as their prefix layer
   smollm2_135m_mtp.safetensors.xz             the MTP modules of the default model
   smollm2_135m_mlp_speculator.safetensors.xz  the MLP speculator of the default model (3 tied stages)
 """
@@ -75,8 +77,9 @@ def save_weights(path, tensors: Dict[str, torch.Tensor], meta: Dict[str, str]) -
 
 
 def copy_weights(src, dst) -> None:
-    """Copy a file from save_weights to `dst`, compressed or not as `dst`'s name says (`.xz`)."""
-    tensors, meta = read_weights(src)
+    """Copy a file from save_weights to `dst`, compressed or not as `dst`'s name says (`.xz`); tensors
+    it references (refs.py) stay references."""
+    tensors, meta = read_weights(src, resolve_refs=False)
     save_weights(dst, tensors, meta)
 
 
@@ -89,38 +92,54 @@ def _xz_bytes(path: str, mtime_ns: int, size: int) -> bytes:
         raise ValueError(f"{path} is not a valid xz-compressed safetensors file ({e})") from None
 
 
-def read_weights(path, names: Optional[Sequence[str]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+def read_weights(path, names: Optional[Sequence[str]] = None,
+                 resolve_refs: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """(tensors, string metadata) of a file from save_weights, plain or `.xz`; names: only these
-    tensors (None: all; (): the metadata alone)."""
+    tensors (None: all; (): the metadata alone). Tensors the file holds by reference to another
+    (refs.py) are read from it unless resolve_refs is False."""
     from safetensors import safe_open
     from safetensors.torch import load
 
+    from .refs import REFS, resolve
+
     p = Path(path)
     if not str(p).endswith(".xz"):
         with safe_open(str(p), framework="pt") as f:
-            return {n: f.get_tensor(n) for n in (f.keys() if names is None else names)}, dict(f.metadata() or {})
-    st = p.stat()
-    raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
-    n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
-    meta = dict(json.loads(raw[8:8 + n]).get("__metadata__") or {})
-    if names is not None and not names:
-        return {}, meta
-    t = load(raw)
-    return (t if names is None else {k: t[k] for k in names}), meta
+            meta = dict(f.metadata() or {})
+            own = f.keys() if names is None else [n for n in names if n in f.keys() or not meta.get(REFS)]
+            t = {n: f.get_tensor(n) for n in own}
+    else:
+        st = p.stat()
+        raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
+        n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
+        meta = dict(json.loads(raw[8:8 + n]).get("__metadata__") or {})
+        if names is not None and not names:
+            return {}, meta
+        t = load(raw)
+        t = t if names is None else {k: t[k] for k in names if k in t or not meta.get(REFS)}
+    if resolve_refs and meta.get(REFS) and (names is None or names):
+        t = resolve(path, t, meta, names)
+    return t, meta
 
 
 def tensor_names(path) -> List[str]:
-    """The tensor names of a file from save_weights, plain or `.xz`, read from its header alone."""
+    """The tensor names of a file from save_weights, plain or `.xz`, read from its header alone; those
+    it holds by reference (refs.py) too, from the referenced file's header."""
     from safetensors import safe_open
+
+    from .refs import REFS, referenced_names
 
     p = Path(path)
     if not str(p).endswith(".xz"):
         with safe_open(str(p), framework="pt") as f:
-            return list(f.keys())
-    st = p.stat()
-    raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
-    n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
-    return [k for k in json.loads(raw[8:8 + n]) if k != "__metadata__"]
+            names, meta = list(f.keys()), dict(f.metadata() or {})
+    else:
+        st = p.stat()
+        raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
+        n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
+        header = json.loads(raw[8:8 + n])
+        names, meta = [k for k in header if k != "__metadata__"], dict(header.get("__metadata__") or {})
+    return names + (referenced_names(path, meta) if meta.get(REFS) else [])
 
 
 def save_trained(path, module: torch.nn.Module, fmt: str, target_fingerprint: str, record: dict,
@@ -212,7 +231,8 @@ def dequantise(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def compact(path, out=None, bits: int = 8, group: int = GROUP, int4: Optional[Sequence[str]] = None) -> dict:
+def compact(path, out=None, bits: int = 8, group: int = GROUP, int4: Optional[Sequence[str]] = None,
+            ref: Optional[Tuple[str, str]] = None) -> dict:
     """Rewrite a trained proposer's file in int8 (or int4, bits=4, one scale per `group` columns)
     storage, metadata kept and `storage` added, at `out` (default: in place; a name ending in `.xz`
     is written xz-compressed). An int8 file may be compacted to int4 (dequantised first: its
@@ -222,11 +242,18 @@ def compact(path, out=None, bits: int = 8, group: int = GROUP, int4: Optional[Se
     `int8+int4`, the names in the metadata's `int4_tensors`): int4 where the bytes are and it costs
     little, e.g. a model's MLPs (an LM head's logits lose more). From an int8 file the other matrices keep their int8
     values as they are; ValueError for a name that is not a 2-D matrix of the file whose columns
-    split into groups of `group`."""
+    split into groups of `group`.
+
+    `ref` = (PREFIX, FILE): the tensors under PREFIX are FILE's (a frozen copy of another weight file):
+    drop them and reference FILE instead (refs.py; ValueError if they are not FILE's)."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     out = path if out is None else out
-    tensors, meta = read_weights(path)
+    tensors, meta = read_weights(path, resolve_refs=False)
+    if ref is not None:
+        from .refs import link
+
+        tensors, meta = link(path, tensors, meta, *ref)
     storage = meta.get("storage")
     if storage == "int8" and bits == 8 and int4 is None or storage in ("int4", "int8+int4"):
         raise ValueError(f"{path} is already {storage}")

@@ -1,23 +1,6 @@
-"""python -m specref.weights compact FILE [--out OUT] [--bits 8|4 [--group G]] [--int4 NAME ...]:
-rewrite a trained proposer file in int8 (or int4) storage, in place or at OUT (a name ending in .xz
-is written xz-compressed, as the committed files are); --int4 names the matrices stored as int4
-while the rest are int8 rows."""
-import argparse
-import json
+"""`python -m specref.weights compact ...`: the command line is in cli.py."""
+import sys
 
-from . import GROUP, compact
+from .cli import main
 
-ap = argparse.ArgumentParser(prog="python -m specref.weights")
-ap.add_argument("command", choices=["compact"])
-ap.add_argument("files", nargs="+", metavar="FILE")
-ap.add_argument("--out", default=None, help="where to write (one FILE only; default: in place)")
-ap.add_argument("--bits", type=int, choices=(8, 4), default=8,
-                help="8: int8 rows; 4: int4, one scale per --group columns (an int8 file may be compacted to int4)")
-ap.add_argument("--group", type=int, default=GROUP, help=f"int4: columns per fp16 scale (even; default {GROUP})")
-ap.add_argument("--int4", nargs="+", default=None, metavar="NAME",
-                help="these matrices as int4 (one scale per --group columns), every other matrix as int8 rows")
-a = ap.parse_args()
-if a.out is not None and len(a.files) != 1:
-    ap.error("--out takes one FILE")
-for p in a.files:
-    print(json.dumps(compact(p, a.out, bits=a.bits, group=a.group, int4=a.int4)))
+sys.exit(main())
