@@ -92,6 +92,18 @@ def _xz_bytes(path: str, mtime_ns: int, size: int) -> bytes:
         raise ValueError(f"{path} is not a valid xz-compressed safetensors file ({e})") from None
 
 
+def _xz_raw(p: Path) -> bytes:
+    """The decompressed bytes of the .xz weight file p (cached per file version)."""
+    st = p.stat()
+    return _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def _header(raw: bytes) -> dict:
+    """The JSON header of safetensors bytes: u64 header length, then the header."""
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n])
+
+
 def read_weights(path, names: Optional[Sequence[str]] = None,
                  resolve_refs: bool = True) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     """(tensors, string metadata) of a file from save_weights, plain or `.xz`; names: only these
@@ -105,14 +117,12 @@ def read_weights(path, names: Optional[Sequence[str]] = None,
     p = Path(path)
     if not str(p).endswith(".xz"):
         with safe_open(str(p), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            own = f.keys() if names is None else [n for n in names if n in f.keys() or not meta.get(REFS)]
+            meta, keys = dict(f.metadata() or {}), list(f.keys())
+            own = keys if names is None else [n for n in names if n in keys or not meta.get(REFS)]
             t = {n: f.get_tensor(n) for n in own}
     else:
-        st = p.stat()
-        raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
-        n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
-        meta = dict(json.loads(raw[8:8 + n]).get("__metadata__") or {})
+        raw = _xz_raw(p)
+        meta = dict(_header(raw).get("__metadata__") or {})
         if names is not None and not names:
             return {}, meta
         t = load(raw)
@@ -134,10 +144,7 @@ def tensor_names(path) -> List[str]:
         with safe_open(str(p), framework="pt") as f:
             names, meta = list(f.keys()), dict(f.metadata() or {})
     else:
-        st = p.stat()
-        raw = _xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)
-        n = struct.unpack("<Q", raw[:8])[0]  # safetensors: u64 header length, then the JSON header
-        header = json.loads(raw[8:8 + n])
+        header = _header(_xz_raw(p))
         names, meta = [k for k in header if k != "__metadata__"], dict(header.get("__metadata__") or {})
     return names + (referenced_names(path, meta) if meta.get(REFS) else [])
 

@@ -24,13 +24,10 @@ REFS = "tensor_refs"  # metadata key: {prefix: {"file": name, "sha256": hex}}
 
 def content_sha256(path) -> str:
     """sha256 of a weight file's safetensors bytes (decompressed for .xz: the tensors, not the packing)."""
-    from . import _xz_bytes
+    from . import _xz_raw
 
     p = Path(path)
-    if str(p).endswith(".xz"):
-        st = p.stat()
-        return hashlib.sha256(_xz_bytes(str(p.resolve()), st.st_mtime_ns, st.st_size)).hexdigest()
-    return hashlib.sha256(p.read_bytes()).hexdigest()
+    return hashlib.sha256(_xz_raw(p) if str(p).endswith(".xz") else p.read_bytes()).hexdigest()
 
 
 def _find(path, name: str, sha: str) -> Path:
