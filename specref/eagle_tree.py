@@ -46,7 +46,7 @@ class Eagle2Config:
     is: small, shallow trees chosen from a wide candidate pool. A node is worth verifying when its
     path's head probability (its expected accepted tokens) exceeds the marginal cost of one more
     block token, and a level is worth expanding when the tokens it adds outweigh one head step; the
-    defaults follow it for the default model on CPU (the measurements: docs/experiments.md)."""
+    defaults follow it for the default model on CPU (the measurements: docs/experiments/eagle3.md)."""
 
     top_k: int = 4  # children per expanded node and frontier width (paper: 10): the pool to rerank
     # is top_k + (depth-1) top_k^2 = 20 candidates; a frontier row costs the head little

@@ -362,7 +362,7 @@ def mtp_from_eagle(target: torch.nn.Module, head: torch.nn.Module, num_modules: 
     not) of `target`, its draft vocabulary kept. Module 1 and the head read the same inputs (the
     target's final normed state at i, the embedding of t_{i+1}, and, with current_token, of t_i) and
     predict the same token, so module 1 is the head: norms, projection, decoder layer and output norm
-    copied; the head's FC bias is dropped (MTP's projection has none; measured in docs/training.md).
+    copied; the head's FC bias is dropped (MTP's projection has none; measured in docs/experiments/mtp.md).
     Modules 2..D start as the head too, as EAGLE reuses it at every depth, with hnorm set to read
     module d-1's pre-norm output h as the head reads its own normed output f^ = norm(h):
     w_hnorm = w_norm_f * w_norm / rms(w_norm), exact when h's normalised entries are independent of

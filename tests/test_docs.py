@@ -1,5 +1,6 @@
-"""The documents run as written: every ```python block of README.md and docs/*.md executes, and every
-relative link of README.md, BENCHMARKS.md and docs/*.md points to a path that exists.
+"""The documents run as written: every ```python block of README.md and docs/**/*.md executes, and every
+relative link of README.md, BENCHMARKS.md and docs/**/*.md points to a path that exists and, for a
+Markdown page, to a heading that exists (GitHub's anchors).
 
 The blocks of one file run in order in one namespace (a later block may use an earlier one's names).
 `load_default` is swapped for a tiny random Llama with the default model's tokenizer (the fixture
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+DOCS = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
 PENDING: set = set()  # pages other work adds, skipped while missing (none now)
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -22,16 +23,40 @@ def python_blocks(text: str) -> list:
     return BLOCK.findall(text)
 
 
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: link text kept, lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(md: Path) -> set:
+    """The anchors of a Markdown page's headings (outside code fences; a repeated one gets -1, -2, ...)."""
+    out, seen, fence = set(), {}, False
+    for line in md.read_text(encoding="utf-8").splitlines():
+        fence ^= line.startswith("```")
+        m = None if fence else re.match(r"#{1,6} +(.*)", line)
+        if m:
+            s = slug(m.group(1))
+            out.add(s if s not in seen else f"{s}-{seen[s]}")
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
 def broken_links(md: Path) -> list:
-    """Relative links of one Markdown file whose target does not exist (anchors ignored)."""
+    """Relative links of one Markdown file whose target does not exist, or whose #anchor names no
+    heading of the target page."""
     bad = []
     for target in LINK.findall(md.read_text(encoding="utf-8")):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = (md.parent / target.split("#")[0]).resolve()
+        file, _, anchor = target.partition("#")
+        path = (md.parent / file).resolve() if file else md
         rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
-        if not path.exists() and rel not in PENDING:
-            bad.append(f"{md.relative_to(REPO)}: {target}")
+        if not path.exists():
+            if rel not in PENDING:
+                bad.append(f"{md.relative_to(REPO)}: {target}")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            bad.append(f"{md.relative_to(REPO)}: {target} (no such heading)")
     return bad
 
 
@@ -68,10 +93,13 @@ def test_relative_links_exist():
 
 def test_the_checks_themselves(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("[a](missing.md) [b](https://example.com) [c](#top) [d](x.md)\n```python\nx = 1\n```\n",
-                  encoding="utf-8")
-    assert [b.split(": ")[1] for b in broken_links_at(md, tmp_path)] == ["missing.md"]
-    assert python_blocks(md.read_text()) == ["x = 1\n"]
+    md.write_text("# Top: the `x` page\n## Top: the `x` page\n[a](missing.md) [b](https://example.com) "
+                  "[c](#top-the-x-page) [d](x.md) [e](x.md#top-the-x-page-1) [f](#nowhere) [g](x.md#top-2)\n"
+                  "```python\nx = 1\n# not a heading\n```\n", encoding="utf-8")
+    assert [b.split(": ")[1] for b in broken_links_at(md, tmp_path)] == [
+        "missing.md", "#nowhere (no such heading)", "x.md#top-2 (no such heading)"]
+    assert python_blocks(md.read_text()) == ["x = 1\n# not a heading\n"]
+    assert anchors(md) == {"top-the-x-page", "top-the-x-page-1"}
 
 
 def broken_links_at(md: Path, root: Path) -> list:

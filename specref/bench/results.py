@@ -161,7 +161,7 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
              "tokens/s over `ar` on the same question; tau is tokens per target forward. Definitions of alpha, "
              "k, c, v and the prediction: `specref/bench/report.py`.",
              "- Sources: " + "; ".join(_sources(runs, source)) + ".",
-             "- The experiments behind these numbers, and older results: [docs/experiments.md](docs/experiments.md).",
+             "- The experiments behind these numbers, and older results: [docs/experiments/](docs/experiments/README.md).",
              "", "## Overall", ""]
     if overall_png:
         parts += [f"![overall speed-up and tau per method]({overall_png})", ""]

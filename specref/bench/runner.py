@@ -296,7 +296,7 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--attn", default=None, choices=("eager", "sdpa"),
                     help="the model's attention implementation (default: as loaded, sdpa); bf16 with "
-                         "eager attention was block-invariant here (docs/experiments.md, bf16 on CPU)")
+                         "eager attention was block-invariant here (docs/experiments/cpu_speed.md, bf16 on CPU)")
     ap.add_argument("--question-file", default=None, help="Spec-Bench's question.jsonl or any JSONL of its shape "
                     "(default: $SPECREF_SPEC_BENCH, else the workload shipped with specref, which is NOT Spec-Bench)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")

@@ -351,7 +351,7 @@ def passage_requests(sources: Sequence[Source], n: int, seed: int = 0, min_chars
     into English; the {t} request translates an English one into another of LANG_NAMES. A request
     sharing a word 13-gram with `grams` (corpus.dev_ngrams) is dropped and counted. Deterministic in
     (sources, n, seed); these requests did NOT raise agreement on the development answers
-    (docs/experiments.md, real passages)."""
+    (docs/experiments/corpus.md, real passages)."""
     import random
 
     pools: Dict[str, List[Tuple[str, str]]] = {"en": [], "xx": []}  # kind -> [(passage, its language)]

@@ -41,7 +41,7 @@ class EagleTrainConfig:
 
     draft_vocab: int = 8192  # Vd: most frequent tokens of the distilled responses
     # the EAGLE paper's weights: at equal compute they beat 0.5 / 1.0 by +0.024 agreement on the
-    # development answers (docs/training.md, "Measured: compute and the EAGLE-1 loss weights")
+    # development answers (docs/experiments/levers.md, "Measured: compute and the EAGLE-1 loss weights")
     w_reg: float = 1.0  # weight of the feature regression (Smooth-L1 on RMS-normalised features)
     w_cls: float = 0.1  # weight of the soft cross-entropy against p's stored top-k
     noise: float = 0.1  # uniform input-feature noise, as a fraction of the features' RMS

@@ -22,7 +22,7 @@ shared LM head reads, is asked for the target's own final normed state at positi
 whose LM head gives p of the same token x_{i+d+1}): w_reg * mean_d SmoothL1 over RMS-normalised
 states. In DeepSeek-V3 the main model trains beside the modules; on a frozen target this gives
 each module the target's next state as a dense target, as EAGLE's head gets (EAGLE's ablation of
-the loss weights: docs/training.md, lever ii). lam = 0.1 with w_reg = 1.0 is EAGLE's ratio.
+the loss weights: docs/experiments/levers.md, lever ii). lam = 0.1 with w_reg = 1.0 is EAGLE's ratio.
 `current_token` (mtp.py's option) feeds module d at i the true token x_{i+d-1} as its third input.
 """
 from __future__ import annotations

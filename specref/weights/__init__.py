@@ -11,12 +11,12 @@ Storage: tensors as trained (16-bit), or `int8` (`compact`, what the committed f
 2-D floating matrix as int8 with one fp16 scale per row (symmetric absmax, row r = round(W_r / s_r),
 s_r = max|W_r| / 127; the scale stored as `NAME.int8_scale`), dequantised into the module's dtype
 on load. It halves the files; its effect on agreement with the target is measured before a file
-is committed as int8 (docs/training.md). `int4` (`compact(..., bits=4)`) goes further: every 2-D
+is committed as int8 (docs/experiments/weights.md). `int4` (`compact(..., bits=4)`) goes further: every 2-D
 floating matrix whose columns split into groups of GROUP as 4-bit integers q in [-7, 7], two per
 byte (column 2j in the low nibble, 2j+1 in the high one, each stored as q + 8), with one fp16
 scale per group of a row (s = max|W| / 7 over the group; `NAME.int4_scale`, (R, C / GROUP));
 other 2-D matrices as int8 rows. It halves the files again but costs the EAGLE heads, Medusa, MTP
-and the draft 0.013-0.036 of agreement (docs/training.md, "int4 weight storage"), so none of their
+and the draft 0.013-0.036 of agreement (docs/experiments/weights.md, "int4 weight storage"), so none of their
 files is int4 throughout; the MLP speculator's is (it lost 0.002). `compact(..., int4=NAMES)` stores
 only the named matrices as int4 and the rest as int8 rows (storage `int8+int4`): the draft's file
 holds its two MLPs so (0.002 of agreement for 2.4 MB; its LM head as int4 would cost 0.008 more).
