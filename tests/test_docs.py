@@ -109,3 +109,74 @@ def broken_links_at(md: Path, root: Path) -> list:
         return broken_links(md)
     finally:
         REPO = saved
+
+
+# The pages that list the code: a module left out of docs/architecture.md, a method left out of
+# docs/api.md, or a page naming a path that does not exist fails here.
+PKG = REPO / "specref"
+ROW = re.compile(r"^\| `([^`]+)` \|", re.M)  # a table row's first cell, in backticks
+REPO_PATH = re.compile(r"(?<![\w./-])((?:specref|tests|scripts|notebooks|benchmarks|corpus)/[\w./-]*\w)")
+
+
+def section(md: Path, title: str) -> str:
+    """The text of the '## title' section of a page, up to the next '## ' heading."""
+    text = md.read_text(encoding="utf-8")
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert m, f"{md.relative_to(REPO)} has no '## {title}' section"
+    return m.group(1)
+
+
+def package_modules(pkg: Path) -> set:
+    """Every .py file of the package, by its path relative to the package."""
+    return {p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def differences(doc: set, code: set, page: str, what: str) -> list:
+    return ([f"{page} omits the {what} {x}" for x in sorted(code - doc)]
+            + [f"{page} names the {what} {x}, which does not exist" for x in sorted(doc - code)])
+
+
+def test_architecture_lists_every_module():
+    doc = set(ROW.findall(section(REPO / "docs" / "architecture.md", "Every module")))
+    bad = differences(doc, package_modules(PKG), "docs/architecture.md", "module")
+    assert not bad, "\n".join(bad)
+
+
+def test_api_lists_every_method():
+    from specref.registry import METHODS
+
+    doc = set(ROW.findall(section(REPO / "docs" / "api.md", "Every method by name")))
+    bad = differences(doc, set(METHODS), "docs/api.md", "method")
+    assert not bad, "\n".join(bad)
+
+
+def missing_paths(md: Path, root: Path) -> list:
+    """Repository paths (specref/..., tests/..., ...) a page names that do not exist; a path with an
+    upper-case placeholder (NAME, DIR, FILE) is a pattern, not a path."""
+    return [f"{md.name}: {p}" for p in sorted(set(REPO_PATH.findall(md.read_text(encoding="utf-8"))))
+            if not re.search(r"(^|/)[A-Z][A-Z_]+(\.|/|$)", p) and not (root / p).exists()]
+
+
+def test_paths_named_in_the_docs_exist():
+    """Every repository path the living pages name exists (docs/experiments/ records what was true
+    when each measurement ran, old paths included, and is not checked)."""
+    pages = [REPO / "README.md", REPO / "BENCHMARKS.md"] + sorted((REPO / "docs").glob("*.md"))
+    bad = [b for md in pages for b in missing_paths(md, REPO)]
+    assert not bad, "paths named in the docs that do not exist:\n" + "\n".join(bad)
+
+
+def test_the_list_checks_themselves(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub" / "__pycache__").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "sub/__pycache__/b.py"):
+        (pkg / f).write_text("")
+    assert package_modules(pkg) == {"__init__.py", "a.py", "sub/__init__.py", "sub/b.py"}
+    md = tmp_path / "x.md"
+    md.write_text("# X\n## Every module\n| file | what |\n|---|---|\n| `a.py` | A |\n| `sub/c.py` | C, `sub/b.py` |\n"
+                  "## Next\n| `sub/b.py` | outside the section |\nspecref/NAME.py and specref/nowhere.py\n")
+    doc = set(ROW.findall(section(md, "Every module")))
+    assert doc == {"a.py", "sub/c.py"}
+    assert differences(doc, package_modules(pkg), "x.md", "module") == [
+        "x.md omits the module __init__.py", "x.md omits the module sub/__init__.py", "x.md omits the module sub/b.py",
+        "x.md names the module sub/c.py, which does not exist"]
+    assert missing_paths(md, tmp_path) == ["x.md: specref/nowhere.py"]
