@@ -5,12 +5,11 @@
     out = speculative_generate(model, NgramProposer(), input_ids, max_new_tokens=64, temperature=0)
 
 Everything a user needs is re-exported here. The package: the core (sampling, rejection, tree,
-kv_rollback, target, proposer, generate, theory, costs), one module per method (draft_model,
+kv_rollback, target, proposer, generate, theory, picker/), one module per method (draft_model,
 ngram, lookahead, eagle_head (+ eagle_tree, eagle3), medusa_heads (+ medusa_tree, typical), mtp, mlp_speculator, hybrid), and three wings: oracle/ (is a sampler lossless?),
 training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
 submodules (models, training, bench) import their optional dependencies lazily.
 """
-from .costs import measure_cost, measure_verify_cost
 from .draft_model import DraftModelConfig, DraftModelProposer, load_trained_draft, truncated_draft
 from .eagle3 import Eagle3Head, load_eagle3
 from .eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle
@@ -26,7 +25,7 @@ from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
                      chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance)
-from .picker import PickerConfig, Recommendation, recommend
+from .picker import PickerConfig, Recommendation, measure_cost, measure_verify_cost, recommend
 from .proposer import Context, Draft, Proposer
 from .registry import METHODS, Registry
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy

@@ -53,7 +53,8 @@ import torch
 
 from .backends.cpu_linear import PackedLinears, packing_available
 from .checks import normalise_ints
-from .costs import device_sync, median_block_times
+from .picker.costs import median_block_times
+from .target import device_sync
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators

@@ -42,10 +42,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import checks, hf_generation, processors, rejection, tree, typical
-from .costs import device_sync
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
-from .target import Target
+from .target import Target, device_sync
 from .hf_generation import UNSET
 from .typical import TypicalAcceptance
 

@@ -78,7 +78,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .costs import device_sync, median_block_times
+from .picker.costs import median_block_times
+from .target import device_sync
 from .eagle_head import EagleHead
 from .kv_rollback import SpecCache
 from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from .checks import normalise_ints
-from .costs import device_sync
+from .target import device_sync
 from .draft_model import to_target_vocab
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows

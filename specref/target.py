@@ -62,6 +62,12 @@ class BlockOutput:
     hidden: Optional[torch.Tensor] = None  # (B, Q, len(hidden_layers) * D) or None
 
 
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock measures it; no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def check_causal_lm(model: torch.nn.Module, name: str = "model") -> None:
     """Raise ValueError unless `model` is a decoder-only causal LM this library can drive."""
     cfg = getattr(model, "config", None)

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..costs import measure_verify_cost
+from ..picker.costs import measure_verify_cost
 from ..eagle_head import load_eagle
 from ..medusa_heads import (PREFIX_KINDS, MedusaHeads, hydra_from_medusa, hydra_on_eagle, load_medusa,
                             measure_heads_cost, save_medusa)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specref.backends.cpu_linear import PackedLinears, packable_dtypes, packing_available
-from specref.costs import measure_verify_cost
+from specref.picker.costs import measure_verify_cost
 from specref.generate import autoregressive_generate
 from specref.models import tiny_model
 from specref.target import Target, TargetConfig

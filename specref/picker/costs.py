@@ -17,13 +17,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .target import Target
-
-
-def device_sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA), so that a host clock measures it; no-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from ..target import Target, device_sync
 
 
 @torch.no_grad()
@@ -94,3 +88,35 @@ def fit_verify_cost(ratios: List[float], k: Optional[int] = None) -> Dict[str, f
     c = max(c, 0.0)
     c0 = max(float((y - c * x).mean()), 0.0)
     return {"c": c, "c0": c0, "ratios": ratios}
+
+
+def verify_ratio(v: List[float], W: int) -> float:
+    """v(W) from the measured curve (W = 1..len(v)), extended linearly past its end."""
+    if W <= len(v):
+        return v[W - 1]
+    slope = (v[-1] - v[1]) / max(len(v) - 2, 1) if len(v) > 2 else 0.0
+    return v[-1] + slope * (W - len(v))
+
+
+def fit_verify_curve(points: Dict[int, List[tuple]], prior: List[float], rounds: int = 5) -> tuple:
+    """Robust fit of seconds = t1_p v(W) to the real verify forwards of every prompt p (points:
+    {p: [(W, seconds), ...]}), v(1) = 1: alternating medians, started from the synthetic curve
+    `prior`. Widths never seen keep the prior's shape, scaled to the fitted widths. Returns
+    ({p: t1_p}, v as a function of W)."""
+    v: Dict[int, float] = {}
+    ratio = lambda W: v.get(W, verify_ratio(prior, W) * scale)  # noqa: E731
+    scale = 1.0
+    t1 = {}
+    for _ in range(rounds):
+        t1 = {p: statistics.median(s / ratio(W) for W, s in pts) for p, pts in points.items() if pts}
+        byw: Dict[int, List[float]] = {}
+        for p, pts in points.items():
+            for W, s in pts:
+                byw.setdefault(W, []).append(s / t1[p])
+        v = {W: statistics.median(xs) for W, xs in byw.items() if len(xs) >= 5}
+        one = v.get(1, 1.0)
+        v = {W: x / one for W, x in v.items()}
+        t1 = {p: t * one for p, t in t1.items()}
+        seen = [W for W in v if W > 1]
+        scale = statistics.median(v[W] / verify_ratio(prior, W) for W in seen) if seen else 1.0
+    return t1, ratio
