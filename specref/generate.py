@@ -41,11 +41,12 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import checks, hf_generation, processors, rejection, tree, typical
+from . import checks, rejection, tree, typical
+from .hf import generation as hf_generation, processors
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
 from .target import Target, device_sync
-from .hf_generation import UNSET
+from .hf.generation import UNSET
 from .typical import TypicalAcceptance
 
 

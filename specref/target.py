@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .backends.cpu_linear import PackedLinears, packing_available, tensor_version
-from .compat import cache_keyword, check_transformers
+from .hf.compat import cache_keyword, check_transformers
 from .kv_rollback import SpecCache
 
 

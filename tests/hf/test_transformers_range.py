@@ -8,8 +8,8 @@ import torch
 import transformers
 import transformers.cache_utils as cu
 
-from specref import compat
-from specref.compat import TransformersVersionError, cache_keyword, check_transformers
+from specref.hf import compat
+from specref.hf.compat import TransformersVersionError, cache_keyword, check_transformers
 from specref.kv_rollback import SpecCache, _RowLayer
 from specref.models import tiny_model
 from specref.target import Target
