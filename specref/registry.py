@@ -1,6 +1,6 @@
 """Every method of the library by name: one place that turns "eagle" into a ready proposer.
 
-The bench (bench/methods.py), the picker (picker.py) and `python -m specref generate --method NAME`
+The bench (bench/methods.py), the picker (picker/) and `python -m specref generate --method NAME`
 all build their proposers here, so that a method means the same configuration everywhere: the
 adaptive rules get this machine's measured costs (costs.measure_verify_cost, the heads' measured
 cost), k comes from the closed form (theory.optimal_k) on the trained proposer's held-out alpha, and
@@ -161,7 +161,8 @@ class Registry:
         plus one more verified token, c0)."""
         def make():
             from .picker.costs import fit_verify_cost
-            from .eagle_head import EagleConfig, measure_head_cost
+            from .eagle_head import EagleConfig
+            from .picker.costs import measure_head_cost
             from .theory import optimal_k
 
             if version == 3:

@@ -1,4 +1,4 @@
-"""Tests of the pre-packed CPU linears (specref/backends/cpu_linear.py) and of the verify-cost fit (specref/costs.py)."""
+"""Tests of the pre-packed CPU linears (specref/backends/cpu_linear.py) and of the verify-cost fit (specref/picker/costs.py)."""
 from __future__ import annotations
 
 import pytest

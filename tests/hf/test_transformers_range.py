@@ -1,4 +1,4 @@
-"""The transformers range (specref/compat.py): an incompatible cache API fails when a SpecCache or a
+"""The transformers range (specref/hf/compat.py): an incompatible cache API fails when a SpecCache or a
 Target is built, with a message naming the installed version and what changed."""
 import re
 from abc import ABC, abstractmethod
