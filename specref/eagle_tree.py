@@ -14,7 +14,7 @@ probability that the target accepts the whole path. Two phases per step:
    by V_i, and the best `total_tokens` become the tree the target verifies in one forward. A node's
    value never exceeds its parent's, and ties go to the earlier node, so parents are always kept.
 
-Our addition for ragged rows (`min_value`): a node is kept only if V_i >= min_value, so a row whose
+Not in the paper, for ragged rows (`min_value`): a node is kept only if V_i >= min_value, so a row whose
 head is unsure drafts a smaller tree than a confident one (each node costs the target a wider
 verify block; a node worth less than that cost is not worth verifying).
 

@@ -41,12 +41,12 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import checks, hf_generation, processors, rejection, tree, typical
-from .costs import device_sync
+from . import checks, rejection, tree, typical
+from .hf import generation as hf_generation, processors
 from .proposer import Context, Draft
 from .sampling import Generators, SamplingConfig, logits_to_probs, make_generators
-from .target import Target
-from .hf_generation import UNSET
+from .target import Target, device_sync
+from .hf.generation import UNSET
 from .typical import TypicalAcceptance
 
 
