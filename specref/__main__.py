@@ -11,7 +11,7 @@ pick     - the strategy picker on your prompts: which method, which k, or none (
 oracle   - check a rejection sampler for losslessness (oracle/).
 bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
 train    - training of the draft, the EAGLE head, Medusa heads or MTP modules (training/).
-data     - the feature store: real text scored teacher-forced by the target (training/store.py).
+data     - the feature store: real text scored teacher-forced by the target (training/store/).
 corpus   - the committed corpus of the target's own answers (training/committed_corpus.py).
 rebuild  - a committed weight file rebuilt from the committed corpus by its chain (training/rebuild.py).
 """

@@ -1,15 +1,18 @@
 """Training the learned proposers: the target's distribution p as the label, never a corpus's token.
+One data path: corpus -> scoring -> feature store -> batches (store/__init__.py tells it whole).
 
-    data.py      self-distillation data: the target's own answers, scored teacher-forced (top-k of p)
-    corpus.py    real openly licensed text from installed packages, as chat conversations
-    store.py     the feature store: that text scored teacher-forced (features + top-k of p), fp16 shards
+    committed_corpus.py  the committed corpus: the target's own answers, xz shards (`python -m specref corpus`)
+    data.py      growing it: the target answers seed, self-written (self_instruct.py) and passage requests
+    corpus.py    the sources the store scores: the corpus's export and real openly licensed text, as chats
+    contamination.py     the word 13-gram check against evaluation text, run by every stage
+    store/       scoring (one teacher-forced forward: features + top-k of p), the fp16 shards, the
+                 readers (in memory or streamed), Seq/Batch/collate, `python -m specref data`
     loop.py      the shared loop: AdamW, schedule, clipping, held-out evaluation, exact resumption
-    draft.py     the reduced-vocabulary draft model's task (KL to p) and its one command
-    eagle.py     the EAGLE-1 head's task (feature regression + soft CE) and its one command
-    medusa.py    Medusa-1 heads' task (sum_k 0.8^k soft CE), the tree for this machine, the command
-    mtp.py       the MTP modules' task (lambda * mean over depths of soft CE) and the command
-    evaluate.py  a trained draft measured side by side on Spec-Bench (tau, speed-up, parity)
-    cli.py       `python -m specref train [--method draft|eagle|medusa|mtp] ...`
+    draft.py, eagle.py, eagle3.py, medusa.py, mtp.py, mlp_speculator.py
+                 each method's task (its loss on a Batch) and its run on feature stores
+    cli.py       `python -m specref train METHOD ...`, one subcommand per method
+    transfer.py  a trained head's agreement on the target's answers to evaluation prompts
+    recipes.py, rebuild.py  the chains that made the committed files, and `python -m specref rebuild`
 
 Method modules never import from here: they load their trained files through specref.weights.
 """

@@ -1,202 +1,190 @@
-"""`python -m specref train`: the default model's trained draft, EAGLE head, Medusa heads, MTP modules or
-MLP speculator.
+"""`python -m specref train METHOD ...`: a learned proposer of the default model, trained on feature stores.
 
-The command line over training/data.py (self-distilled data), training/store.py (feature stores:
-`--method medusa`, `mtp`, `eagle3`, `mlp_speculator` train on one or more, `eagle` and `draft` with `--store`),
-training/loop.py (the shared loop), training/draft.py, eagle.py, medusa.py, mtp.py and
-mlp_speculator.py (the trained proposers) and training/evaluate.py (`--measure-only`, `--eval`).
+    python -m specref train draft           the reduced-vocabulary draft model (draft.py)
+    python -m specref train eagle           the EAGLE-1 head (eagle.py)
+    python -m specref train eagle3          the EAGLE-3 head, training-time test (eagle3.py)
+    python -m specref train medusa          Medusa-1 heads, or Hydra's with --hydra (medusa.py)
+    python -m specref train mtp             DeepSeek-V3 MTP modules (mtp.py)
+    python -m specref train mlp_speculator  the MLP speculator (mlp_speculator.py)
+
+Every method reads the same data, the feature stores of `python -m specref data` (store/: the
+corpus scored once by the target), and runs the shared loop (loop.py). The flags every method
+takes come from one parent parser, each method's own are on its subcommand; `train METHOD --help`
+lists both. The flat form of before, `python -m specref train --method METHOD ...` (the committed
+recipes' form, recipes.py), is the same command.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from ..medusa_prefix import PREFIX_KINDS
-from .data import DistillConfig
-from .draft import DraftTrainConfig, run_training
-from .eagle import EagleTrainConfig, run_eagle_training
+from .draft import DraftTrainConfig
+from .eagle import EagleTrainConfig
 from .loop import TrainConfig, close_processes, sequence_lengths
 from .medusa import MedusaTrainConfig
 
+METHODS = ("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator")
+
 
 def train_main(argv=None) -> int:
-    """`python -m specref train`: distil data, train the default model's draft, optionally measure."""
+    """`python -m specref train METHOD ...`: train the method's proposer on feature stores."""
     try:
-        return _train_main(argv)
+        a = train_parser().parse_args(argv)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        if a.init is not None and not a.store:
+            raise ValueError(f"--init continues a head on feature stores named with --store: `train {a.method} "
+                             f"--store STORE ... --init {a.init}` (the record names the stores it trained on)")
+        train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
+                                warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len,
+                                epochs=a.epochs, tokens=a.train_tokens, patience=a.patience, min_gain=a.min_gain)
+        return a.run(a, train_cfg)
     finally:
         close_processes()  # several processes (accelerate launch): the group closed before exit
 
 
-def train_parser() -> argparse.ArgumentParser:
-    """The command line of `python -m specref train` (rebuild.py checks its recipes against it)."""
-    ap = argparse.ArgumentParser(prog="python -m specref train", description=run_training.__doc__)
-    ap.add_argument("--method", choices=("draft", "eagle", "eagle3", "medusa", "mtp", "mlp_speculator"),
-                    default="draft",
-                    help="draft: the reduced-vocabulary draft model; eagle: the EAGLE-1 head; eagle3: the EAGLE-3 "
-                    "head (training-time test) on a store with its layers (`python -m specref data --layers 2 15 "
-                    "27`); medusa: Medusa-1 heads on the feature store (`python -m specref data`); mtp: DeepSeek-V3 "
-                    "MTP modules; mlp_speculator: the MLP speculator on the feature store")
-    ap.add_argument("--ttt-steps", type=int, default=3, help="eagle3: unrolled steps of the training-time test "
-                    "(1: teacher forcing only)")
-    ap.add_argument("--mtp-modules", type=int, default=1, help="mtp: D sequential modules")
-    ap.add_argument("--mtp-lambda", type=float, default=1.0, help="mtp: lambda, the weight of the modules' "
-                    "soft cross-entropy")
-    ap.add_argument("--mtp-current-token", action="store_true", help="mtp: each module also reads the token "
-                    "before the one it embeds; with --init, zero projection columns are added to the file's modules")
-    ap.add_argument("--mtp-w-reg", type=float, default=0.0, help="mtp: weight of EAGLE's feature regression at "
-                    "every depth (0: DeepSeek-V3's cross-entropy only; --mtp-lambda 0.1 --mtp-w-reg 1 is EAGLE's ratio)")
-    ap.add_argument("--mlp-stages", type=int, default=3, help="mlp_speculator: n_predict stages")
-    ap.add_argument("--mlp-inner-dim", type=int, default=0, help="mlp_speculator: inner_dim (0: the target's "
-                    "hidden size, the target's embedding shared)")
-    ap.add_argument("--store", nargs="+", default=None, help="medusa, mtp, eagle3: feature store folders, trained "
-                    "on together (default: <specref cache>/store; mtp with --data: a self-distilled folder instead); "
-                    "eagle, draft: train on these stores (`python -m specref data [--distilled FOLDER]`) instead "
-                    "of a self-distilled folder")
-    ap.add_argument("--init", default=None, metavar="PATH", help="every method on feature stores (eagle and draft "
-                    "with --store; mlp_speculator): continue training this saved head / draft file (e.g. specref/weights/"
-                    "smollm2_135m_eagle.safetensors.xz), its shape and draft vocabulary kept; mtp: an EAGLE-1 head "
-                    "file too, every module starting as the head (--mtp-modules kept)")
-    ap.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
-                    "sequences (replaces --steps)")
-    ap.add_argument("--train-tokens", type=int, default=TrainConfig.tokens, help="budget in training tokens "
-                    "(replaces --steps; --epochs wins)")
-    ap.add_argument("--patience", type=int, default=TrainConfig.patience, help="stop once this many held-out "
-                    "evaluations in a row gained < --min-gain top-1 agreement on the best before them (0: never)")
-    ap.add_argument("--min-gain", type=float, default=TrainConfig.min_gain)
-    ap.add_argument("--stream", action="store_true", help="read the feature stores from disk on demand "
-                    "(training/streamed.py): stores larger than memory")
-    ap.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="medusa: K heads")
-    ap.add_argument("--own-lm-head", action="store_true", help="medusa: each head trains its own LM head copy "
-                    "(with --init of a file whose heads share one, copies of it)")
-    ap.add_argument("--medusa-layers", type=int, default=MedusaTrainConfig.num_layers,
-                    help="medusa: ResBlocks per head; with --init, identity blocks are appended to reach it")
-    ap.add_argument("--hydra", action="store_true", help="medusa: Hydra's sequentially dependent heads (each "
-                    "also reads the tokens before its position); with --init of a Medusa file, they start as "
-                    "its first --medusa-heads heads")
-    ap.add_argument("--medusa-prefix", choices=PREFIX_KINDS, default=None, help="medusa: Hydra++'s prefix "
-                    "layer over the target's states, read by the heads ('layer': a decoder layer, 'attention': its "
-                    "attention block, 'pairs': the layer over each state with the token after it, 'eagle': an EAGLE-1 "
-                    "head over those pairs); with --init of a file without one, it starts as the identity (an "
-                    "'eagle' prefix: as --prefix-from's head)")
-    ap.add_argument("--freeze-prefix", action="store_true", help="medusa: train the heads, not their prefix "
-                    "layer (with --prefix-from: head 1 stays the EAGLE head's first draft unless its own block moves)")
-    ap.add_argument("--prefix-from", default=None, help="medusa: an EAGLE-1 head's file (e.g. the committed "
-                    "specref/weights/smollm2_135m_eagle.safetensors.xz) that the Hydra heads of --init read as their "
-                    "'eagle' prefix: head 1 starts as its first draft, head k + 1 as the file's head k")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
-    ap.add_argument("--out", default=None, help="run folder (default: <specref cache>/train/seed<N>)")
-    ap.add_argument("--data", default=None, help="data folder (default: <out>/data)")
-    ap.add_argument("--num-instructions", type=int, default=None)
-    ap.add_argument("--passage-prompts", type=int, default=DistillConfig.passage_prompts,
-                    help="second-stage prompts quoting the target's own answers as passages")
-    ap.add_argument("--self-instruct", type=int, default=DistillConfig.self_instruct, metavar="N",
-                    help="also N requests written by the target itself (Magpie-style, training/self_instruct.py), "
-                    "answered like the seed instructions")
-    ap.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
-    ap.add_argument("--temperature", type=float, default=DistillConfig.temperature)
-    ap.add_argument("--gen-batch-size", type=int, default=DistillConfig.batch_size)
-    ap.add_argument("--layers", type=int, default=DraftTrainConfig.num_layers)
-    ap.add_argument("--draft-vocab", type=int, default=DraftTrainConfig.draft_vocab)
-    ap.add_argument("--loss", choices=("kl", "ce"), default=DraftTrainConfig.loss)
-    ap.add_argument("--w-cls", type=float, default=EagleTrainConfig.w_cls, help="eagle: weight of the soft CE")
-    ap.add_argument("--w-reg", type=float, default=EagleTrainConfig.w_reg, help="eagle: weight of the regression")
-    ap.add_argument("--eagle-layers", type=int, default=EagleTrainConfig.layers,
-                    help="eagle: decoder layers of the head (the paper's 1); with --init, identity layers are "
-                         "added after the file's own")
-    ap.add_argument("--eagle-current-token", action="store_true",
-                    help="eagle: the head's FC also reads the current token's embedding e(x_t); with --init, "
-                         "its columns are added at zero")
-    ap.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
-    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda, ... or auto: each process's device under "
-                    "`accelerate launch --num_processes N -m specref train ...` (GPUs) or `ACCELERATE_USE_CPU=1 "
-                    "torchrun --nproc_per_node N -m specref train ...` (CPU processes): data-parallel training")
-    ap.add_argument("--export", default=None, help="also write the trained file to this path (.safetensors, or .safetensors.xz: xz-compressed)")
-    ap.add_argument("--eval", action="store_true", help="measure tau and speed-up on Spec-Bench afterwards")
-    ap.add_argument("--eval-per-category", type=int, default=2)
-    ap.add_argument("--eval-max-new-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=None, help="draft length for --eval (default: closed form)")
-    ap.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
-    ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="held-out evaluation interval")
-    ap.add_argument("--max-len", type=int, default=TrainConfig.max_len, help="tokens kept per training sequence")
-    ap.add_argument("--measure-only", nargs="?", const="", default=None, metavar="PATH",
-                    help="no training: measure a trained draft (default: the committed one) and exit")
+class _TrainParser(argparse.ArgumentParser):
+    """The `train` parser; it also takes the flat form `--method METHOD ...` (default: draft)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(flat_to_subcommand(args), namespace)
+
+
+def flat_to_subcommand(args):
+    """`--method M rest` (anywhere, or `--method=M`) -> `M rest`; flags without a method -> `draft flags`,
+    the flat form's default; a subcommand form is returned as it is."""
+    args = list(args)
+    if args and (args[0] in METHODS or args[0] in ("-h", "--help")):
+        return args
+    for i, x in enumerate(args):
+        if x == "--method" and i + 1 < len(args):
+            return [args[i + 1]] + args[:i] + args[i + 2:]
+        if x.startswith("--method="):
+            return [x.split("=", 1)[1]] + args[:i] + args[i + 1:]
+    return ["draft"] + args if args and args[0].startswith("-") else args
+
+
+def _shared() -> argparse.ArgumentParser:
+    """The flags of every method: data, budget, optimisation, run folder, device."""
+    ap = argparse.ArgumentParser(add_help=False)
+    g = ap.add_argument_group("data (every method)")
+    g.add_argument("--store", nargs="+", default=None, help="feature store folders (`python -m specref data --out "
+                   "STORE`), trained on together (default: <specref cache>/store)")
+    g.add_argument("--stream", action="store_true", help="read the stores from disk on demand (store.StreamedStore): "
+                   "stores larger than memory")
+    g.add_argument("--init", default=None, metavar="PATH", help="continue training this saved file of the method "
+                   "(e.g. specref/weights/smollm2_135m_eagle.safetensors.xz), its shape and draft vocabulary kept; "
+                   "needs --store")
+    g.add_argument("--draft-vocab", type=int, default=DraftTrainConfig.draft_vocab, help="Vd: the most frequent "
+                   "target tokens of the training answers (with --init: the file's)")
+    g.add_argument("--max-len", type=int, default=TrainConfig.max_len, help="tokens kept per training sequence")
+    g = ap.add_argument_group("budget and optimisation (every method)")
+    g.add_argument("--epochs", type=float, default=TrainConfig.epochs, help="budget in passes over the training "
+                   "sequences (replaces --steps)")
+    g.add_argument("--train-tokens", type=int, default=TrainConfig.tokens, help="budget in training tokens "
+                   "(replaces --steps; --epochs wins)")
+    g.add_argument("--steps", type=int, default=TrainConfig.steps)
+    g.add_argument("--patience", type=int, default=TrainConfig.patience, help="stop once this many held-out "
+                   "evaluations in a row gained < --min-gain top-1 agreement on the best before them (0: never)")
+    g.add_argument("--min-gain", type=float, default=TrainConfig.min_gain)
+    g.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="held-out evaluation interval")
+    g.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    g.add_argument("--lr", type=float, default=TrainConfig.lr)
+    g.add_argument("--warmup-steps", type=int, default=TrainConfig.warmup_steps)
+    g.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("run (every method)")
+    g.add_argument("--out", default=None, help="run folder: checkpoint, file (default: <specref cache>/train/...)")
+    g.add_argument("--export", default=None, help="also write the trained file to this path (.safetensors, or "
+                   ".safetensors.xz: xz-compressed)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, ... or auto: each process's device under "
+                   "`accelerate launch --num_processes N -m specref train ...` (GPUs) or `ACCELERATE_USE_CPU=1 "
+                   "torchrun --nproc_per_node N -m specref train ...` (CPU processes): data-parallel training")
     return ap
 
 
-def _train_main(argv=None) -> int:
-    """The command itself: parse the arguments, run the chosen method's training."""
-    a = train_parser().parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    if a.init is not None and (a.method in ("eagle", "draft") and not a.store or a.method == "mtp" and a.data):
-        raise ValueError(f"--init continues a head trained on feature stores: --method {a.method} needs --store "
-                         "(and no --data)")
-    if a.method != "draft" and (a.measure_only is not None or a.eval):
-        raise ValueError(f"--measure-only/--eval measure the draft model; measure the {a.method} method with "
-                         f"`python -m specref bench --methods ar {a.method}`")
-    if a.measure_only is not None:
-        from ..draft_model import WEIGHTS, load_trained_draft, trained_draft_info
-        from ..models import load_default
-        from .evaluate import measure_draft, to_markdown
+def train_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m specref train` (rebuild.py checks its recipes against it)."""
+    ap = _TrainParser(prog="python -m specref train", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="method", required=True, metavar="METHOD", parser_class=argparse.ArgumentParser)
+    shared = [_shared()]
 
-        path = a.measure_only or WEIGHTS
-        target, tok = load_default(device=a.device)
-        draft, token_map = load_trained_draft(target, path)
-        alpha = trained_draft_info(path)["record"].get("heldout", {}).get("heldout_top1")
-        res = measure_draft(target, tok, draft, token_map, per_category=a.eval_per_category,
-                            max_new_tokens=a.eval_max_new_tokens, k=a.k, alpha=alpha)
-        print(to_markdown(res))
-        return 0 if res["parity"] else 1
-    data_cfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
-                             temperature=a.temperature, batch_size=a.gen_batch_size,
-                             passage_prompts=a.passage_prompts, self_instruct=a.self_instruct)
-    train_cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed,
-                            warmup_steps=a.warmup_steps, eval_every=a.eval_every, max_len=a.max_len,
-                            epochs=a.epochs, tokens=a.train_tokens, patience=a.patience, min_gain=a.min_gain)
-    if a.method == "medusa":
-        return _medusa(a, train_cfg)
-    if a.method == "eagle3":
-        return _eagle3(a, train_cfg)
-    if a.method == "mlp_speculator":
-        return _mlp_speculator(a, train_cfg)
-    if a.method == "mtp" and a.data:  # a self-distilled data folder, as EAGLE's command
-        from .mtp import run_mtp_command
+    def method(name, run, help):
+        p = sub.add_parser(name, parents=shared, help=help, description=help)
+        p.set_defaults(run=run)
+        return p.add_argument_group(f"{name} only")
 
-        return run_mtp_command(data_cfg, train_cfg, _mtp_config(a),
-                               out=a.out, data=a.data, device=a.device, export=a.export)
-    if a.method == "mtp":
-        return _mtp(a, train_cfg)
-    if a.method == "eagle" and a.store:
-        return _eagle_store(a, train_cfg)
-    if a.method == "eagle":
-        return run_eagle_training(data_cfg, train_cfg, EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls,
-                                                                        w_reg=a.w_reg, layers=a.eagle_layers,
-                                                                        current_token=a.eagle_current_token),
-                                  out=a.out, data=a.data, device=a.device, export=a.export)
-    draft_cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
-    if a.store:
-        return _draft_store(a, train_cfg, draft_cfg)
-    return run_training(data_cfg, train_cfg, draft_cfg, out=a.out, data=a.data, device=a.device,
-                        export=a.export, evaluate_after=a.eval, eval_per_category=a.eval_per_category,
-                        eval_max_new_tokens=a.eval_max_new_tokens, k=a.k)
+    p = method("draft", _draft, "the reduced-vocabulary draft model: KL to the stored top-k of p")
+    p.add_argument("--layers", type=int, default=DraftTrainConfig.num_layers, help="decoder layers copied from "
+                   "the target")
+    p.add_argument("--loss", choices=("kl", "ce"), default=DraftTrainConfig.loss)
+    p = method("eagle", _eagle, "the EAGLE-1 head: feature regression + soft cross-entropy")
+    p.add_argument("--w-cls", type=float, default=EagleTrainConfig.w_cls, help="weight of the soft CE")
+    p.add_argument("--w-reg", type=float, default=EagleTrainConfig.w_reg, help="weight of the regression")
+    p.add_argument("--eagle-layers", type=int, default=EagleTrainConfig.layers, help="decoder layers of the head "
+                   "(the paper's 1); with --init, identity layers are added after the file's own")
+    p.add_argument("--eagle-current-token", action="store_true", help="the head's FC also reads the current "
+                   "token's embedding e(x_t); with --init, its columns are added at zero")
+    p = method("eagle3", _eagle3, "the EAGLE-3 head (training-time test) on a store with its layers "
+               "(`python -m specref data --layers 2 15 27`)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="unrolled steps of the training-time test "
+                   "(1: teacher forcing only)")
+    p = method("medusa", _medusa, "Medusa-1 heads (sum_k 0.8^k soft CE), or Hydra's with --hydra")
+    p.add_argument("--medusa-heads", type=int, default=MedusaTrainConfig.num_heads, help="K heads")
+    p.add_argument("--medusa-layers", type=int, default=MedusaTrainConfig.num_layers, help="ResBlocks per head; "
+                   "with --init, identity blocks are appended to reach it")
+    p.add_argument("--own-lm-head", action="store_true", help="each head trains its own LM head copy (with --init "
+                   "of a file whose heads share one, copies of it)")
+    p.add_argument("--hydra", action="store_true", help="Hydra's sequentially dependent heads (each also reads "
+                   "the tokens before its position); with --init of a Medusa file, they start as its first "
+                   "--medusa-heads heads")
+    p.add_argument("--medusa-prefix", choices=PREFIX_KINDS, default=None, help="Hydra++'s prefix layer over the "
+                   "target's states, read by the heads ('layer': a decoder layer, 'attention': its attention block, "
+                   "'pairs': the layer over each state with the token after it, 'eagle': an EAGLE-1 head over those "
+                   "pairs); with --init of a file without one, it starts as the identity (an 'eagle' prefix: as "
+                   "--prefix-from's head)")
+    p.add_argument("--freeze-prefix", action="store_true", help="train the heads, not their prefix layer (with "
+                   "--prefix-from: head 1 stays the EAGLE head's first draft unless its own block moves)")
+    p.add_argument("--prefix-from", default=None, help="an EAGLE-1 head's file (e.g. the committed specref/weights/"
+                   "smollm2_135m_eagle.safetensors.xz) that the Hydra heads of --init read as their 'eagle' prefix: "
+                   "head 1 starts as its first draft, head k + 1 as the file's head k")
+    p = method("mtp", _mtp, "DeepSeek-V3 MTP modules (lambda * mean over depths of soft CE); --init also takes an "
+               "EAGLE-1 head's file: every module starts as the head")
+    p.add_argument("--mtp-modules", type=int, default=1, help="D sequential modules")
+    p.add_argument("--mtp-lambda", type=float, default=1.0, help="lambda, the weight of the modules' soft "
+                   "cross-entropy")
+    p.add_argument("--mtp-w-reg", type=float, default=0.0, help="weight of EAGLE's feature regression at every "
+                   "depth (0: DeepSeek-V3's cross-entropy only; --mtp-lambda 0.1 --mtp-w-reg 1 is EAGLE's ratio)")
+    p.add_argument("--mtp-current-token", action="store_true", help="each module also reads the token before the "
+                   "one it embeds; with --init, zero projection columns are added to the file's modules")
+    p = method("mlp_speculator", _mlp_speculator, "vLLM V0's MLP speculator (tied stages)")
+    p.add_argument("--mlp-stages", type=int, default=3, help="n_predict stages")
+    p.add_argument("--mlp-inner-dim", type=int, default=0, help="inner_dim (0: the target's hidden size, the "
+                   "target's embedding shared)")
+    return ap
+
+
+# ----------------------------------------------------------------------------- the runs
 
 
 def _from_store(a, name: str, heldout_fraction: float, layers=("final",)):
-    """The default model frozen, the feature store's (train, heldout) split, the run folder and a
+    """The default model frozen, the feature stores' (train, heldout) split, the run folder and a
     record of the data. -> (target, train, heldout, out, record)"""
     from pathlib import Path
 
     from ..models import cache_root, load_default
-    from .store import read_store_manifest, stores_split
-    from .streamed import streamed_split
+    from .loop import _processes
+    from .store import read_store_manifest, stores_split, streamed_split
 
     stores = [Path(x) for x in a.store] if a.store else [cache_root() / "store"]
     mans = [read_store_manifest(x) for x in stores]  # each must be a store (ValueError otherwise)
-    target, _ = load_default(device=a.device)
+    device = _processes(torch.device("cuda")).device if a.device == "auto" else a.device  # each process its own
+    target, _ = load_default(device=device)
     for q in target.parameters():
         q.requires_grad_(False)
     split = streamed_split if getattr(a, "stream", False) else stores_split
@@ -219,24 +207,11 @@ def _export(path, export) -> None:
         print(f"saved {export}")
 
 
-def _medusa(a, train_cfg: TrainConfig) -> int:
-    """Medusa-1 heads of the default model on the feature store; saved to the run folder and --export."""
-    from .medusa import run_medusa_training
-
-    cfg = MedusaTrainConfig(num_heads=a.medusa_heads, num_layers=a.medusa_layers, draft_vocab=a.draft_vocab,
-                            own_lm_head=a.own_lm_head, sequential=a.hydra, prefix=a.medusa_prefix,
-                            freeze_prefix=a.freeze_prefix)
-    target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
-    run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
-                        init=a.init, prefix_from=a.prefix_from)
-    _export(out / "medusa.safetensors", a.export)
-    return 0
-
-
-def _draft_store(a, train_cfg: TrainConfig, cfg: DraftTrainConfig) -> int:
-    """The trained draft of the default model on feature stores (their stored top-k)."""
+def _draft(a, train_cfg: TrainConfig) -> int:
+    """The draft of the default model on feature stores (their stored top-k; no features read)."""
     from .draft import run_draft_store_training
 
+    cfg = DraftTrainConfig(num_layers=a.layers, draft_vocab=a.draft_vocab, loss=a.loss)
     target, train, held, out, rec = _from_store(a, "draft_store", cfg.heldout_fraction, layers=())
     run_draft_store_training(target, train, held, train_cfg, cfg, out / "draft.safetensors", run_dir=out,
                              data_record=rec, init=a.init)
@@ -244,8 +219,8 @@ def _draft_store(a, train_cfg: TrainConfig, cfg: DraftTrainConfig) -> int:
     return 0
 
 
-def _eagle_store(a, train_cfg: TrainConfig) -> int:
-    """The EAGLE-1 head of the default model on a feature store (its final-layer features)."""
+def _eagle(a, train_cfg: TrainConfig) -> int:
+    """The EAGLE-1 head of the default model on feature stores (their final-layer features)."""
     from .eagle import run_eagle_store_training
 
     cfg = EagleTrainConfig(draft_vocab=a.draft_vocab, w_cls=a.w_cls, w_reg=a.w_reg, layers=a.eagle_layers,
@@ -271,19 +246,26 @@ def _eagle3(a, train_cfg: TrainConfig) -> int:
     return 0
 
 
-def _mtp_config(a):
-    """The MTP settings of the command line."""
-    from .mtp import MTPTrainConfig
+def _medusa(a, train_cfg: TrainConfig) -> int:
+    """Medusa-1 (or Hydra) heads of the default model on feature stores."""
+    from .medusa import run_medusa_training
 
-    return MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab, lam=a.mtp_lambda, w_reg=a.mtp_w_reg,
-                          current_token=a.mtp_current_token)
+    cfg = MedusaTrainConfig(num_heads=a.medusa_heads, num_layers=a.medusa_layers, draft_vocab=a.draft_vocab,
+                            own_lm_head=a.own_lm_head, sequential=a.hydra, prefix=a.medusa_prefix,
+                            freeze_prefix=a.freeze_prefix)
+    target, train, held, out, rec = _from_store(a, "medusa", cfg.heldout_fraction)
+    run_medusa_training(target, train, held, train_cfg, cfg, out / "medusa.safetensors", run_dir=out, data_record=rec,
+                        init=a.init, prefix_from=a.prefix_from)
+    _export(out / "medusa.safetensors", a.export)
+    return 0
 
 
 def _mtp(a, train_cfg: TrainConfig) -> int:
-    """MTP modules of the default model on the feature store; saved to the run folder and --export."""
-    from .mtp import run_mtp_training
+    """MTP modules of the default model on feature stores."""
+    from .mtp import MTPTrainConfig, run_mtp_training
 
-    cfg = _mtp_config(a)
+    cfg = MTPTrainConfig(num_modules=a.mtp_modules, draft_vocab=a.draft_vocab, lam=a.mtp_lambda, w_reg=a.mtp_w_reg,
+                         current_token=a.mtp_current_token)
     target, train, held, out, rec = _from_store(a, "mtp", cfg.heldout_fraction)
     run_mtp_training(target, train, held, train_cfg, cfg, out / "mtp.safetensors", checkpoint_dir=out, record=rec,
                      init=a.init)
@@ -292,7 +274,7 @@ def _mtp(a, train_cfg: TrainConfig) -> int:
 
 
 def _mlp_speculator(a, train_cfg: TrainConfig) -> int:
-    """The MLP speculator of the default model on feature stores; saved to the run folder and --export."""
+    """The MLP speculator of the default model on feature stores."""
     from .mlp_speculator import MLPSpeculatorTrainConfig, run_mlp_speculator_training
 
     cfg = MLPSpeculatorTrainConfig(n_predict=a.mlp_stages, inner_dim=a.mlp_inner_dim, draft_vocab=a.draft_vocab,

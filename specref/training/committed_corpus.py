@@ -45,11 +45,11 @@ import numpy as np
 import torch
 
 from ..workloads import sha256_of as sha256
+from .contamination import NGRAM, eval_ngrams, word_ngrams
 from .data import FORMAT as DISTILLED_FORMAT
 from .data import Seq, iter_sequences as folder_sequences, read_manifest, write_shard
 
 FORMAT = 1  # bump when the layout changes
-NGRAM = 13  # the contamination unit (word 13-grams, as corpus.py)
 SHARD_SEQUENCES = 1024  # sequences per answers shard (~200k tokens, ~0.3 MB compressed)
 
 
@@ -165,17 +165,7 @@ def iter_corpus(root, parts: Optional[Sequence[str]] = None, fraction: float = 1
                 yield from seqs
 
 
-# ----------------------------------------------------------------------------- contamination
-
-
-def eval_ngrams(files: Sequence, n: int = NGRAM):
-    """(word n-grams of the evaluation files' texts, their records: name, sha256, rows)."""
-    from .corpus import checked_against, dev_ngrams
-
-    for path in files:
-        if not Path(path).is_file():
-            raise ValueError(f"evaluation file {str(path)!r} does not exist")
-    return dev_ngrams(files, n), checked_against(files)
+# ----------------------------------------------------------------------------- requests
 
 
 def _requests(folder: Path) -> List[dict]:
@@ -198,8 +188,6 @@ def add_part(root, folder, name: str, eval_files: Sequence, tokenizer=None, comm
     decoded sequence). drop_overlap=True instead leaves out the requests and sequences that share
     one (counted in the manifest's overlap record: the part written has none). Returns the part's
     record (also written to the manifest)."""
-    from .corpus import word_ngrams
-
     root, folder = Path(root), Path(folder)
     if not name or not name.replace("_", "").replace("-", "").isalnum():
         raise ValueError(f"name={name!r}: use letters, digits, '-' and '_'")
@@ -367,7 +355,7 @@ def corpus_main(argv=None) -> int:
         from ..models import load_default
 
         _, tok = load_default()
-        from .corpus import eval_files
+        from .contamination import eval_files
 
         part = add_part(a.root, a.folder, a.name, eval_files(a.eval_file), tokenizer=tok, command=a.command,
                         model_name="SmolLM2-135M-Instruct (specref.load_default())", drop_overlap=a.drop_overlap)

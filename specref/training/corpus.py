@@ -1,4 +1,4 @@
-"""Real text for the feature store (store.py): openly licensed corpora shipped in packages, as chats.
+"""Step 1 of the data path, the sources the store scores: the corpus's answers and real text, as chats.
 
 EAGLE (Li et al. 2024, Sec. 4) trains its head on a FIXED corpus (ShareGPT) with the target's
 features and distribution, not on text the target wrote; this file supplies such a corpus offline.
@@ -14,8 +14,9 @@ package installs it:
                       /*.txt.gz; GPL-2+
     chatterbot        the ChatterBot dialogue corpus, 28 languages, PyPI wheel chatterbot-corpus
                       (build-time extra `specref[data]`), chatterbot_corpus/data/*/*.yml; BSD-3-Clause
-    distilled         the target's own answers from `python -m specref train` (data.distill), when a
-                      folder is given (`distilled=`)
+    distilled         the target's own answers: the committed corpus exported as a distilled folder
+                      (`python -m specref corpus export`), or one written by data.distill, when a
+                      folder is given (`distilled=`); every committed head trained on these alone
 
 Install (build time only, never a runtime dependency): `apt-get install python3.11-doc debian-reference-en
 debian-reference-fr debian-reference-de debian-reference-es debian-reference-it` and `pip install
@@ -27,10 +28,8 @@ the Debian Reference) and an assistant turn that is the real text, so the featur
 target computes when it serves a chat. Dialogue turns alternate user / assistant. Long texts are cut
 at paragraph (code: top-level statement) boundaries into chunks of about `CHUNK_CHARS` characters.
 
-Contamination: `overlap_filter` drops every document sharing a WORD 13-gram (lower-cased \\w+ runs,
-the GPT-3 paper's decontamination unit, Brown et al. 2020 App. C) with the development questions
-(the evaluation files given, `eval_files`: by default Spec-Bench's development split through
-$SPECREF_SPEC_BENCH, all turns); the counts before and after, and the files checked (by name and
+Contamination (contamination.py): `overlap_filter` drops every document sharing a word 13-gram
+with the development questions; the counts before and after, and the files checked (by name and
 sha256), go to the manifest.
 `passage_requests` reuses the same real text as the PASSAGE of a request (summarise /
 answer about / extract from / translate it) that the target then answers (data.py's third stage):
@@ -43,7 +42,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.metadata
-import json
 import re
 import subprocess
 import sys
@@ -52,8 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .contamination import NGRAM, eval_files, word_ngrams  # noqa: F401 (eval_files: its earlier import path)
+
 CHUNK_CHARS = 2400  # ~600-800 tokens of English prose; the store truncates at max_len anyway
-NGRAM = 13  # contamination n-gram length, in words
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class Source:
     origin: str  # package + version + where it installs (no path of this machine)
     licence: str
     docs: List[Doc]
-    weight: float = 1.0  # share of the interleaved token stream (store.py)
+    weight: float = 1.0  # share of the interleaved token stream (store/build.py)
     overlap: Dict[str, int] = field(default_factory=dict)  # filled by overlap_filter
 
     def record(self) -> dict:
@@ -408,45 +407,6 @@ def encode(doc: Doc, tokenizer, label: str = "assistant") -> Tuple[List[int], in
 
 
 # ----------------------------------------------------------------------------- contamination
-
-def word_ngrams(text: str, n: int = NGRAM) -> Set[Tuple[str, ...]]:
-    w = re.findall(r"\w+", text.lower())
-    return {tuple(w[i: i + n]) for i in range(len(w) - n + 1)}
-
-
-def eval_files(paths: Optional[Sequence] = None) -> List[Path]:
-    """The evaluation files a contamination check runs against: `paths`, else Spec-Bench's
-    development split through $SPECREF_SPEC_BENCH, else none (the check is skipped; the manifest
-    says so)."""
-    from ..workloads import spec_bench_file
-
-    if paths:
-        return [spec_bench_file(p) for p in paths]
-    found = spec_bench_file(required=False)
-    return [found] if found else []
-
-
-def checked_against(paths: Sequence) -> list:
-    """What a manifest records of the files checked: name, sha256, rows (never a path)."""
-    from ..workloads import describe
-
-    return [{k: v for k, v in describe(p).items() if k != "default"} for p in paths]
-
-
-def dev_ngrams(paths: Sequence, n: int = NGRAM) -> Set[Tuple[str, ...]]:
-    """The word n-grams of the evaluation files `paths` (a path alone is one file): every turn, or
-    the prompt / question / instruction / text field of a row without turns."""
-    grams: Set[Tuple[str, ...]] = set()
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        for line in open(path, encoding="utf-8"):
-            if line.strip():
-                row = json.loads(line)
-                texts = row.get("turns") or [row.get(k) for k in ("prompt", "question", "instruction", "text")]
-                for t in texts:
-                    if isinstance(t, str):
-                        grams |= word_ngrams(t, n)
-    return grams
-
 
 def overlap_filter(source: Source, grams: Set[Tuple[str, ...]], n: int = NGRAM) -> Source:
     """Drop the source's documents sharing a word n-gram with `grams`; record counts before/after."""

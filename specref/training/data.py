@@ -1,4 +1,4 @@
-"""Self-distillation data: the target's own answers to seed instructions, stored as token shards.
+"""Growing the corpus: the target's own answers to instructions, written as a distilled folder.
 
 Drafts and heads are trained on what the target itself writes (Medusa-2's and EAGLE's
 "self-distillation", Cai et al. 2024 Sec. 3.3; Li et al. 2024): the target answers a seed list of
@@ -10,11 +10,16 @@ An optional second stage (`passage_prompts`) quotes the target's own first-stage
 passages in new instructions (summarise, answer questions about, rewrite, proofread, translate,
 compare two texts): prompts of a few hundred tokens whose answers copy from the context, as
 Spec-Bench's summarisation / RAG / extraction / translation prompts do, without any evaluation
-text. Then one frozen forward of the target over each prompt + response (teacher.score: the LM
-head only at the response positions, in chunks) stores the target's top-k
-log-probabilities at every response position, so training distils against p without running the
-target again (storing them once costs one parallel forward per sequence; recomputing them would
-cost a target forward per batch per epoch, ~15x the draft's own training step).
+text. A third stage (`real_passages`) quotes REAL text as the passage instead
+(corpus.passage_requests: documentation prose, and the Debian Reference in four other languages
+to translate): the answers are still the target's own.
+
+This is where the data path starts: `python -m specref data --distilled DIR --self-instruct N
+... --distill-only` writes DIR, `python -m specref corpus add DIR` appends it to the committed
+corpus (committed_corpus.py), whose export (a folder in this same format) the store scores
+(store/). With config.topk > 0 the answers also keep the target's top-k log-probabilities from
+one frozen forward (store.scoring.score: the LM head only at the answer positions); the command
+writes none (topk 0): the store scores every position itself.
 
 Storage: `shard_#####.safetensors`, each holding a group of sequences as flat tensors
 (`tokens` (sum L,), `offsets` (S+1,), `prompt_lens` (S,), and when stored `topk_ids` /
@@ -22,10 +27,8 @@ Storage: `shard_#####.safetensors`, each holding a group of sequences as flat te
 distribution that predicted its response token j), and `manifest.json` (seed, counts, model
 fingerprint, generation settings). Shards are written atomically, so an interrupted run resumes at
 the first missing shard, and read one at a time (`iter_sequences`).
-Left out: storing hidden states (heads that need them recompute them with the frozen target),
-multi-turn conversations. A third stage (`real_passages`) quotes REAL text as the
-passage instead (corpus.passage_requests: documentation prose, and the Debian Reference in four
-other languages to translate): the answers are still the target's own.
+Seq, Batch, collate (store/batches.py) and teacher_topk (store/scoring.py) are also importable from
+here. Left out: multi-turn conversations.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ from typing import Iterator, List, Optional, Sequence
 import torch
 
 from ..weights import fingerprint
-from .teacher import score
+from .store.batches import Batch, Seq, collate  # noqa: F401 (the trainer's types, also read from here)
+from .store.scoring import TOPK, score, teacher_topk  # noqa: F401
 
 INSTRUCTIONS = Path(__file__).resolve().parents[1] / "data" / "instructions.jsonl"
 FORMAT = 1  # bump when the shard layout changes
@@ -54,7 +58,7 @@ class DistillConfig:
     temperature: float = 0.0  # 0: greedy responses, as in the greedy evaluation
     batch_size: int = 16  # prompts generated together
     shard_size: int = 64  # sequences per shard file
-    topk: int = 32  # target top-k log-probs stored per response position (0: none)
+    topk: int = TOPK  # target top-k log-probs stored per response position (0: none)
     passage_prompts: int = 0  # second stage: prompts that quote the target's own first-stage
     # answers as a passage (summarise / answer about / rewrite / proofread / translate it)
     self_instruct: int = 0  # first stage too: this many requests written by the target itself
@@ -78,34 +82,6 @@ class DistillConfig:
             raise ValueError(f"request_chunk must be None or an int >= 1, got {self.request_chunk!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-
-
-@dataclass
-class Seq:
-    """One distilled sequence: prompt + response tokens, and the target's top-k at response slots."""
-
-    tokens: torch.Tensor  # (L,) long
-    prompt_len: int  # the response is tokens[prompt_len:]
-    topk_ids: Optional[torch.Tensor] = None  # (L - prompt_len, K) long
-    topk_logprobs: Optional[torch.Tensor] = None  # (L - prompt_len, K) float
-    features: Optional[torch.Tensor] = None  # (L, D) target features (EAGLE), attached in memory
-
-
-@dataclass
-class Batch:
-    """Right-padded training batch; position t is trained to predict tokens[:, t + 1]."""
-
-    tokens: torch.Tensor  # (B, T) long, 0-padded
-    attention: torch.Tensor  # (B, T) bool, real tokens
-    loss_mask: torch.Tensor  # (B, T) bool, positions whose next token is a response token
-    topk_ids: Optional[torch.Tensor] = None  # (B, T, K) long, target top-k at loss positions
-    topk_logprobs: Optional[torch.Tensor] = None  # (B, T, K) float, -inf outside loss positions
-    features: Optional[torch.Tensor] = None  # (B, T, D) target features, 0-padded, or None
-
-    def to(self, device) -> "Batch":
-        f = (lambda x: None if x is None else x.to(device))
-        return Batch(f(self.tokens), f(self.attention), f(self.loss_mask), f(self.topk_ids),
-                     f(self.topk_logprobs), f(self.features))
 
 
 def load_instructions(path=INSTRUCTIONS, limit: Optional[int] = None, seed: int = 0) -> List[dict]:
@@ -132,59 +108,6 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0):
         ids[b, T - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
         mask[b, T - len(r):] = 1
     return ids, mask
-
-
-def collate(seqs: Sequence[Seq], max_len: Optional[int] = None) -> Batch:
-    """Right-pad sequences into a Batch (truncated to max_len tokens when given)."""
-    lens = [min(len(s.tokens), max_len or len(s.tokens)) for s in seqs]
-    B, T = len(seqs), max(lens)
-    tokens = torch.zeros((B, T), dtype=torch.long)  # (B, T)
-    attention = torch.zeros((B, T), dtype=torch.bool)  # (B, T)
-    loss_mask = torch.zeros((B, T), dtype=torch.bool)  # (B, T)
-    have_topk = all(s.topk_ids is not None for s in seqs)
-    K = seqs[0].topk_ids.shape[1] if have_topk else 0
-    ids = torch.zeros((B, T, K), dtype=torch.long)  # (B, T, K)
-    logp = torch.full((B, T, K), float("-inf"))  # (B, T, K)
-    for b, (s, L) in enumerate(zip(seqs, lens)):
-        tokens[b, :L] = s.tokens[:L]
-        attention[b, :L] = True
-        P = s.prompt_len
-        loss_mask[b, P - 1: L - 1] = True  # position t predicts token t + 1 in the response
-        if have_topk and L > P:
-            ids[b, P - 1: L - 1] = s.topk_ids[: L - P]
-            logp[b, P - 1: L - 1] = s.topk_logprobs[: L - P].float()
-    feats = None
-    if all(s.features is not None for s in seqs):
-        feats = seqs[0].features.new_zeros(B, T, seqs[0].features.shape[-1])  # (B, T, D)
-        for b, (s, L) in enumerate(zip(seqs, lens)):
-            feats[b, :L] = s.features[:L]
-    if not have_topk:
-        return Batch(tokens, attention, loss_mask, features=feats)
-    return Batch(tokens, attention, loss_mask, ids, logp, feats)
-
-
-@torch.no_grad()
-def teacher_topk(target: torch.nn.Module, batch: Batch, k: int, max_logits: int = 1 << 27):
-    """The frozen target's top-k log-probs at every position of a right-padded batch.
-
-    The rows run in chunks whose (rows, T, V) logits hold at most `max_logits` values: a full batch
-    of long prompts (64 x 1,500 positions x 49,152 words) would otherwise hold ~19 GB of fp32
-    logits, twice. Rows are independent, so chunking changes nothing but the memory.
-
-    Returns (ids (B, T, k) long, logprobs (B, T, k) float32)."""
-    B, T = batch.tokens.shape
-    emb = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    V = None if emb is None else emb.weight.shape[0]
-    rows = B if V is None else max(1, max_logits // max(1, T * V))
-    ids, vals = [], []
-    for r0 in range(0, B, rows):
-        out = target(input_ids=batch.tokens[r0:r0 + rows], attention_mask=batch.attention[r0:r0 + rows].long())
-        logp = torch.log_softmax(out.logits.float(), dim=-1)  # (rows, T, V)
-        v, i = logp.topk(k, dim=-1)  # (rows, T, k)
-        ids.append(i)
-        vals.append(v)
-        del out, logp
-    return torch.cat(ids), torch.cat(vals)
 
 
 # ----------------------------------------------------------------------------- shards

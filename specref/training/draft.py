@@ -8,9 +8,9 @@ final norm (copied, trained), and an LM head over only the Vd most frequent toke
 distilled responses (EAGLE-3's reduced draft vocabulary, Li et al. 2025), mapped back to target
 ids by `token_map` (Vd,). q is 0 outside the map, which keeps speculative sampling lossless.
 The architecture and its weight files live with the method (draft_model.build_draft,
-save_draft, load_trained_draft); this file holds its data statistics, loss and training command.
+save_draft, load_trained_draft); this file holds its data statistics, loss and training run.
 
-Training (training/loop.py) minimises KL(p || q) on the self-distilled responses: the soft cross-
+Training (training/loop.py) minimises KL(p || q) on a feature store's answers: the soft cross-
 entropy -sum_x p(x) log q(x) over the target's stored top-k tokens that are in the draft
 vocabulary (H(p) is a constant), or, with loss="ce", the cross-entropy on the target's argmax.
 Held-out metrics: top-1 agreement (the greedy acceptance rate given the target's context),
@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..draft_model import build_draft, load_trained_draft, save_draft
-from .data import Batch, Seq, teacher_topk
-from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout, train_record
+from .loop import as_sequence, fit, is_main_process, train_record
+from .store import Batch, Seq, teacher_topk
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,8 @@ def build_token_map(seqs: Sequence[Seq], vocab_size: int, draft_vocab: int) -> t
 class DraftDistillTask:
     """TrainTask: distil a reduced-vocabulary draft against the target's top-k distributions.
 
-    Batches carry the stored top-k (data.py); without it, the frozen `target` computes it."""
+    Batches carry the stored top-k (the store's); without it, the frozen `target` computes it
+    (store.teacher_topk)."""
 
     def __init__(self, draft: torch.nn.Module, token_map: torch.Tensor, vocab_size: int, loss: str = "kl",
                  target: Optional[torch.nn.Module] = None, topk: int = 32):
@@ -161,41 +162,3 @@ def run_draft_store_training(target: torch.nn.Module, train: Sequence[Seq], held
         save_draft(out_path, draft, token_map, fingerprint(target), record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))
     return record
-
-
-def run_training(data_cfg, train_cfg, draft_cfg: DraftTrainConfig, *, out=None, data=None,
-                 device="cpu", export=None, evaluate_after=False, eval_per_category=2,
-                 eval_max_new_tokens=128, k=None) -> int:
-    """Self-distil data with the default model, train the reduced-vocabulary draft, save it."""
-    out, target, tok, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device, f"seed{train_cfg.seed}")
-    train, held = split_heldout(seqs, draft_cfg.heldout_fraction, train_cfg.seed)
-    V = target.get_output_embeddings().weight.shape[0]
-    token_map = build_token_map(train, V, draft_cfg.draft_vocab)
-    draft = build_draft(target, draft_cfg.num_layers, token_map)
-    task = DraftDistillTask(draft, token_map, V, draft_cfg.loss, target=target,
-                            topk=manifest["settings"]["topk"] or 32)
-    result = fit(task, train, held, train_cfg, out_dir=out)
-    if not is_main_process():  # data-parallel runs: the main process writes the files
-        return 0
-    final = result.history[-1] if result.history else {}
-    record = {"data": {k2: manifest[k2] for k2 in ("counts", "settings", "model_fingerprint")},
-              "train": train_record(train_cfg, result), "draft": asdict(draft_cfg), "train_seconds": result.seconds,
-              "data_seconds_this_run": t_data, "heldout": {k2: v for k2, v in final.items()
-                                                           if k2.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history,
-              "stopped_early": result.stopped_early}
-    path = out / "draft.safetensors"
-    save_draft(path, draft, token_map, manifest["model_fingerprint"], record)
-    print(f"saved {path}\n{json.dumps(record, indent=1)}")
-    if export:
-        save_draft(export, draft, token_map, manifest["model_fingerprint"], record)
-        print(f"exported {export}")
-    if evaluate_after:
-        from .evaluate import measure_draft, to_markdown
-
-        res = measure_draft(target, tok, draft, token_map, per_category=eval_per_category,
-                            max_new_tokens=eval_max_new_tokens, k=k,
-                            alpha=final.get("heldout_top1"))
-        print(to_markdown(res))
-        return 0 if res["parity"] else 1
-    return 0

@@ -1,4 +1,4 @@
-"""Training the EAGLE head (eagle_head.py) on self-distilled data with the shared loop (training/loop.py).
+"""Training the EAGLE head (eagle_head.py) on a feature store with the shared loop (training/loop.py).
 
 Li et al. 2024 (EAGLE, Sec. 3.2): the head is trained with teacher forcing on the target's own
 features: at every position t it reads (f_t, x_{t+1}) and is asked for f_{t+1}. Loss =
@@ -12,15 +12,14 @@ Held-out metrics: top1 (the head's argmax = the target's argmax of p_{t+2}, give
 greedy acceptance of the first draft token), accept (sum_x min(p, q) over p's stored top-k) and
 top1_step2 (the second draft token, fed the head's own predicted features at EVERY earlier
 position: a pessimistic stand-in for drafting, where only the drafted positions are predicted).
-Data: a self-distilled folder (`run_eagle_training`: features computed here) or feature stores
-(`run_eagle_store_training`, `python -m specref train --method eagle --store A B ...`: features
-scored once by store.py, real text and self-distilled answers alike).
+Data: feature stores (`run_eagle_store_training`, `python -m specref train eagle --store A B ...`:
+features scored once by store/, the corpus's answers and real text alike); `attach_features`
+computes the same features in memory (tests, notebooks, transfer.py).
 Left out: EAGLE-3's training-time test (unrolled drafting inside training).
 """
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -30,9 +29,9 @@ import torch.nn.functional as F
 
 from ..eagle_head import EagleHead, cur_kwargs, save_eagle
 from ..target import additive_mask
-from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
-from .loop import as_sequence, distilled_run, fit, is_main_process, split_heldout, train_record
+from .loop import as_sequence, fit, is_main_process, train_record
+from .store import Batch, Seq
 
 
 @dataclass(frozen=True)
@@ -89,33 +88,6 @@ def attach_features(target: torch.nn.Module, seqs: Sequence[Seq], batch_size: in
         h = target.model(input_ids=tok.to(dev), attention_mask=att.to(dev)).last_hidden_state  # (B, T, D)
         for j, (s, L) in enumerate(zip(part, lens)):
             s.features = h[j, :L].to(dtype).cpu()  # (L, D)
-
-
-def save_features(path, seqs: Sequence[Seq], fingerprint: str) -> None:
-    from safetensors.torch import save_file
-
-    save_file({"features": torch.cat([s.features for s in seqs]).contiguous(),
-               "lengths": torch.tensor([len(s.features) for s in seqs])}, str(path),
-              metadata={"fingerprint": fingerprint})
-
-
-def load_features(path, seqs: Sequence[Seq], fingerprint: str) -> bool:
-    """Attach features saved by save_features; False if absent or made for other sequences/target."""
-    from safetensors import safe_open
-
-    if not Path(path).is_file():
-        return False
-    with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}).get("fingerprint") != fingerprint:
-            return False
-        lens, feats = f.get_tensor("lengths").tolist(), f.get_tensor("features")
-    if len(lens) != len(seqs) or any(n > len(s.tokens) for n, s in zip(lens, seqs)):
-        return False
-    off = 0
-    for s, n in zip(seqs, lens):
-        s.features = feats[off: off + n]  # (L, D)
-        off += n
-    return True
 
 
 # ----------------------------------------------------------------------------- the task
@@ -221,8 +193,8 @@ def copy_positions(batch: Batch, labels: torch.Tensor) -> torch.Tensor:
 def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], heldout: Sequence[Seq],
                              train_cfg, eagle_cfg: EagleTrainConfig, out_path, *, run_dir=None,
                              data_record: Optional[dict] = None, init=None) -> dict:
-    """Train the EAGLE-1 head on sequences that carry features (a feature store's, store.py: real
-    text, self-distilled answers, or both), save it to out_path. -> record.
+    """Train the EAGLE-1 head on sequences that carry features (a feature store's, store/: the
+    corpus's answers, real text, or both), save it to out_path. -> record.
 
     init: a head file (save_eagle's) to continue training from, its draft vocabulary kept
     (eagle_cfg.draft_vocab is then unused): more data and more steps for a head whose own data is
@@ -259,40 +231,3 @@ def run_eagle_store_training(target: torch.nn.Module, train: Sequence[Seq], held
         save_eagle(out_path, head, fingerprint(target), record)
         print(json.dumps({k: v for k, v in record.items() if k not in ("data", "history")}, indent=1))
     return record
-
-
-def run_eagle_training(data_cfg, train_cfg, eagle_cfg: EagleTrainConfig, *, out=None, data=None,
-                       device="cpu", export=None) -> int:
-    """Self-distil data with the default model (or reuse `data`), attach the target's features
-    (cached in the run folder), train the EAGLE head, save it (and `export` a copy)."""
-    out, target, _, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device,
-                                                           f"eagle_seed{train_cfg.seed}")
-    fp = f"{manifest['model_fingerprint']}:{len(seqs)}:{train_cfg.max_len}"
-    feat_path = out / "features.safetensors"
-    t0 = time.perf_counter()
-    from accelerate import PartialState
-
-    with PartialState().main_process_first():  # data-parallel: the main process computes and caches them
-        if not load_features(feat_path, seqs, fp):
-            attach_features(target, seqs, max_len=train_cfg.max_len)
-            if is_main_process():
-                save_features(feat_path, seqs, fp)
-    t_data += time.perf_counter() - t0
-    train, held = split_heldout(seqs, eagle_cfg.heldout_fraction, train_cfg.seed)
-    V = target.get_output_embeddings().weight.shape[0]
-    head = EagleHead(target, build_token_map(train, V, eagle_cfg.draft_vocab), seed=train_cfg.seed,
-                     extra_layers=eagle_cfg.layers - 1, current_token=eagle_cfg.current_token)
-    result = fit(EagleTask(head, eagle_cfg, seed=train_cfg.seed), train, held, train_cfg, out_dir=out)
-    if not is_main_process():  # data-parallel runs: the main process writes the files
-        return 0
-    final = result.history[-1] if result.history else {}
-    record = {"data": {k: manifest[k] for k in ("counts", "settings", "model_fingerprint")},
-              "train": train_record(train_cfg, result), "eagle": asdict(eagle_cfg), "train_seconds": result.seconds,
-              "data_seconds_this_run": t_data, "heldout": {k: v for k, v in final.items() if k.startswith("heldout_")},
-              "train_sequences": len(train), "heldout_sequences": len(held), "history": result.history,
-              "stopped_early": result.stopped_early}
-    for path in [out / "eagle.safetensors"] + ([Path(export)] if export else []):
-        save_eagle(path, head, manifest["model_fingerprint"], record)
-        print(f"saved {path}")
-    print(json.dumps(record, indent=1))
-    return 0

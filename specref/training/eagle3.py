@@ -36,9 +36,9 @@ from transformers import DynamicCache
 from ..eagle3 import Eagle3Head, save_eagle3
 from ..target import additive_mask
 from ..weights import fingerprint
-from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, fit, is_main_process, train_record
+from .store import Batch, Seq
 
 
 @dataclass(frozen=True)

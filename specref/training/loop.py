@@ -1,4 +1,4 @@
-"""The training loop shared by every learned proposer (draft models now; Medusa, EAGLE, MTP heads later).
+"""The training loop shared by every learned proposer: the draft model, EAGLE-1/3, Medusa/Hydra, MTP, MLP speculator.
 
 Distillation of a proposer against a frozen target (Leviathan et al. 2023 Sec. 3.5 note that q
 only needs to approximate p; DistillSpec, Zhou et al. 2024, distils q towards p on the target's own
@@ -11,12 +11,12 @@ step, history; never pickle) written atomically, and exact resumption: the data 
 batches) is a pure function of (seed, step), so a run resumed from a checkpoint equals an uninterrupted one.
 The budget is in steps, epochs or tokens (budget_steps; the cosine spans it), and a run stops early
 when its held-out agreement curve stops rising (`stopped`: patience over evaluations with a
-minimum gain). The training sequences may be a list or a streamed store (training/streamed.py).
+minimum gain). The training sequences are a feature store's (store/): a list, or the store read
+on demand (store.StreamedStore); each step's are collated into one Batch (store.collate).
 
-`python -m specref train` (training/cli.py): self-distilled data (training/data.py), then the
-reduced-vocabulary draft (training/draft.py) or the EAGLE head (training/eagle.py) for the default
-model. Data-parallel across processes and GPUs through accelerate (`fit`'s docstring):
-`accelerate launch --num_processes N -m specref train --device auto ...`.
+`python -m specref train METHOD` (training/cli.py) runs it for each method's task on feature stores.
+Data-parallel across processes and GPUs through accelerate (`fit`'s docstring):
+`accelerate launch --num_processes N -m specref train METHOD --device auto ...`.
 Left out: mixed precision, gradient accumulation, model-parallel training.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .data import Batch, Seq, collate
+from .store import Batch, Seq, collate
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -363,26 +363,3 @@ def split_heldout(seqs: Sequence[Seq], fraction: float, seed: int) -> Tuple[List
     n_held = max(1, int(round(fraction * len(seqs)))) if fraction > 0 else 0
     held = set(perm[:n_held])
     return ([s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held])
-
-
-def distilled_run(data_cfg, out, data, device, default_name: str):
-    """The first steps of every training command: the run folder (default: <specref cache>/train/
-    <default_name>), the default target frozen, its self-distilled data (made or resumed in `data`,
-    default <out>/data). -> (out, target, tokenizer, manifest, sequences, seconds spent on data)."""
-    from ..models import cache_root, load_default
-    from .data import iter_sequences
-    from .self_instruct import distill
-
-    out = Path(out) if out else cache_root() / "train" / default_name
-    data = Path(data) if data else out / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    state = _processes(torch.device("cpu" if device == "cpu" else "cuda"))
-    device = state.device if device == "auto" else device  # accelerate launch: each process its own
-    target, tok = load_default(device=device)
-    for q in target.parameters():
-        q.requires_grad_(False)
-    t0 = time.perf_counter()
-    with state.main_process_first():  # the main process makes the data; the others then find it done
-        manifest = distill(target, tok, data, data_cfg)
-    return out, target, tok, manifest, list(iter_sequences(data)), time.perf_counter() - t0
-

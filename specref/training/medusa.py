@@ -37,9 +37,9 @@ from ..medusa_prefix import PREFIX_KINDS
 from ..target import additive_mask
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
-from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, as_sequence, fit, train_record
+from .store import Batch, Seq
 from .warm_start import deepen, hydra_from_medusa, hydra_on_eagle, untie_lm_heads
 
 

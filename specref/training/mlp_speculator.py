@@ -25,9 +25,9 @@ import torch
 
 from ..mlp_speculator import MLPSpeculator, save_mlp_speculator
 from ..weights import fingerprint
-from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, fit, is_main_process, train_record
+from .store import Batch, Seq
 
 
 @dataclass(frozen=True)

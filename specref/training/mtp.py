@@ -7,7 +7,7 @@ distribution p, never the corpus token: soft cross-entropy against the stored to
 draft vocabulary; mass outside it is dropped, as for the EAGLE head). Teacher forcing as in the
 report: module d at position i reads the TRUE token x_{i+d} and h^{d-1}_i (the target's features for
 d = 1, module d-1's outputs otherwise; gradients flow back through the chain) and predicts x_{i+d+1},
-whose p is stored at position i+d (data.Batch: position t holds the target's top-k for token t+1).
+whose p is stored at position i+d (store.Batch: position t holds the target's top-k for token t+1).
 
 Held-out metrics per depth d, on the same label positions for every depth (those at t >= D):
 ce_d, top1_d (module d's argmax = the target's: the greedy acceptance of draft d given the drafts
@@ -27,8 +27,6 @@ the loss weights: docs/experiments/levers.md, lever ii). lam = 0.1 with w_reg = 
 """
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -39,10 +37,10 @@ import torch.nn.functional as F
 from ..eagle_head import FORMAT as EAGLE_FORMAT, load_eagle
 from ..mtp import MTPStack, load_mtp, save_mtp
 from ..target import additive_mask
-from ..weights import copy_weights, fingerprint, read_weights
-from .data import Batch, Seq
+from ..weights import fingerprint, read_weights
 from .draft import build_token_map, inverse_map
-from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout, train_record
+from .loop import TrainConfig, TrainResult, fit, is_main_process, train_record
+from .store import Batch, Seq
 from .warm_start import mtp_from_eagle
 
 
@@ -56,7 +54,7 @@ class MTPTrainConfig:
     w_reg: float = 0.0  # weight of EAGLE's feature regression at every depth (0: the report's CE only)
     current_token: bool = False  # modules also read the token before the one they embed (mtp.py); with --init,
     # zero columns added to the file's modules
-    heldout_fraction: float = 0.05  # sequences held out (the one-command run only)
+    heldout_fraction: float = 0.05  # sequences held out (by document, store.stores_split)
 
     def __post_init__(self) -> None:
         for name, low in (("num_modules", 1), ("draft_vocab", 2)):
@@ -197,31 +195,3 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
                "history": result.history, "stopped_early": result.stopped_early}
         save_mtp(out_path, stack, fingerprint(target), rec)
     return stack, result
-
-
-def run_mtp_command(data_cfg, train_cfg: TrainConfig, mtp_cfg: MTPTrainConfig, *, out=None, data=None,
-                    device="cpu", export=None) -> int:
-    """`python -m specref train --method mtp`: self-distil data with the default model (or reuse
-    `data`), attach the target's features (cached in the run folder), train, save (and `export`)."""
-    from accelerate import PartialState
-
-    from .eagle import attach_features, load_features, save_features
-
-    out, target, _, manifest, seqs, t_data = distilled_run(data_cfg, out, data, device, f"mtp_seed{train_cfg.seed}")
-    fp = f"{manifest['model_fingerprint']}:{len(seqs)}:{train_cfg.max_len}"
-    t0 = time.perf_counter()
-    with PartialState().main_process_first():  # the features file is shared with EAGLE's format
-        if not load_features(out / "features.safetensors", seqs, fp):
-            attach_features(target, seqs, max_len=train_cfg.max_len)
-            if is_main_process():
-                save_features(out / "features.safetensors", seqs, fp)
-    train, held = split_heldout(seqs, mtp_cfg.heldout_fraction, train_cfg.seed)
-    rec = {"data": {k: manifest[k] for k in ("counts", "settings", "model_fingerprint")},
-           "data_seconds_this_run": t_data + time.perf_counter() - t0}
-    stack, _ = run_mtp_training(target, train, held, train_cfg, mtp_cfg, out / "mtp.safetensors",
-                                checkpoint_dir=out, record=rec)
-    if is_main_process():
-        if export:
-            copy_weights(out / "mtp.safetensors", export)
-        print(json.dumps({"saved": str(out / "mtp.safetensors"), "export": export}, indent=1))
-    return 0

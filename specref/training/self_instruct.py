@@ -13,7 +13,7 @@ writes to what a user might send it.
 Filtering (Self-Instruct, Wang et al. 2023, dedupes and filters its generated tasks likewise): a
 request must end with the end-of-turn token inside max_new_tokens (not truncated), hold at least
 `min_chars` characters, not repeat an earlier request (case- and space-normalised), and share no
-word 13-gram with any turn of the development questions (corpus.dev_ngrams; the counts are
+word 13-gram with any turn of the development questions (contamination.py; the counts are
 recorded). Deterministic in (model, seed); written to the data folder as `requests_#####.json`
 chunks (rows and the filter's counts), each atomically, so an interrupted run resumes at the first
 missing chunk.
@@ -30,7 +30,7 @@ from typing import Iterable, List, Optional, Sequence, Set, Tuple
 import torch
 
 from . import data
-from .corpus import NGRAM, checked_against, dev_ngrams, eval_files, word_ngrams
+from .contamination import NGRAM, checked_against, dev_ngrams, eval_files, word_ngrams
 
 KINDS = {  # category -> system-turn hints (written for specref)
     "writing": ("The user asks you to write a short story.", "The user asks you to write a poem.",
@@ -205,7 +205,7 @@ def filter_counts(out_dir) -> dict:
 def distill(model, tokenizer, out_dir, config: "data.DistillConfig", progress: bool = True,
             evals: Optional[Sequence] = None, **kwargs) -> dict:
     """data.distill, with config.self_instruct requests written by the target first (into out_dir,
-    filtered against the 13-grams of the evaluation files `evals`, default corpus.eval_files())."""
+    filtered against the 13-grams of the evaluation files `evals`, default contamination.eval_files())."""
     if not config.self_instruct:
         return data.distill(model, tokenizer, out_dir, config, progress=progress, **kwargs)
     evals = eval_files() if evals is None else list(evals)

@@ -1,4 +1,4 @@
-"""Training to convergence (training/loop.py, streamed.py, cli.py): the budget in epochs or tokens,
+"""Training to convergence (training/loop.py, store/files.py, cli.py): the budget in epochs or tokens,
 the stopping rule, --init for every head type, a streamed store trains like an in-memory one, and
 the levers (EAGLE-1 loss weights, EAGLE-3 training-time-test depth, draft vocabulary, label dtype)
 reach the settings they name."""
@@ -259,7 +259,7 @@ def test_every_head_reports_the_stopping_rules_curve(name, store, tmp_path):
 
 def test_streamed_store_trains_like_in_memory(store, tmp_path):
     from specref.training.eagle import EagleTrainConfig, run_eagle_store_training
-    from specref.training.streamed import StreamedStore, streamed_split
+    from specref.training.store import StreamedStore, streamed_split
 
     mem = store_split(store, layers=("final", 1), heldout_fraction=0.2)
     lazy = streamed_split([store], layers=("final", 1), heldout_fraction=0.2)

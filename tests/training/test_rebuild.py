@@ -48,7 +48,7 @@ def test_every_step_parses_and_reads_only_what_came_before(name):
             assert a.sources == [], f"{s}: a bare --sources scores the distilled answers only, as every store did"
         elif s.kind == "train":
             assert all(written.get(x) == "score" for x in a.store), s
-            for f in (a.init, a.prefix_from):
+            for f in (a.init, getattr(a, "prefix_from", None)):  # --prefix-from: medusa's own flag
                 if f is not None and f.startswith("{weights:"):
                     assert f[len("{weights:"):-1] in RECIPES and f != f"{{weights:{name}}}", s
                 else:

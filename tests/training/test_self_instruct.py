@@ -5,7 +5,7 @@ import pytest
 
 from specref.models import tiny_model
 from specref.training import self_instruct as si
-from specref.training.corpus import word_ngrams
+from specref.training.contamination import word_ngrams
 
 
 class _Tok:
@@ -146,12 +146,12 @@ def test_data_command_writes_and_scores_self_distilled_answers(tmp_path, monkeyp
     """`python -m specref data --sources --distilled F --self-instruct N`: one command writes F (the
     target's requests and answers, in the model's dtype) and scores it into the store."""
     import specref.models
-    from specref.training import corpus, store
+    from specref.training import contamination, store
     from specref.training.data import iter_sequences, read_manifest
 
     model, tok = _model(), _Tok()
     monkeypatch.setattr(specref.models, "load_default", lambda dtype=None, device="cpu": (model.to(dtype), tok))
-    monkeypatch.setattr(corpus, "dev_ngrams", lambda *a, **k: set())
+    monkeypatch.setattr(contamination, "dev_ngrams", lambda *a, **k: set())
     with pytest.raises(ValueError, match="--distilled"):
         store.data_main(["--sources", "--self-instruct", "4", "--out", str(tmp_path / "s")])
     args = ["--sources", "--distilled", str(tmp_path / "d"), "--self-instruct", "6", "--passage-prompts", "2",

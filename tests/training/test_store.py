@@ -1,4 +1,4 @@
-"""Tests of training/store.py and corpus.py: shards round-trip, resumption, labels = the target's p,
+"""Tests of training/store/ and corpus.py: shards round-trip, resumption, labels = the target's p,
 features = attach_features', the whole pipeline trains, the 13-gram contamination filter."""
 import json
 import re
@@ -7,8 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specref.training import corpus, store
-from specref.training.corpus import Doc, Source, encode, overlap_filter, token_source, word_ngrams
+from specref.training import contamination, corpus
+from specref.training.store import build as store_build
+from specref.training.contamination import word_ngrams
+from specref.training.corpus import Doc, Source, encode, overlap_filter, token_source
 from specref.training.data import Seq
 from specref.training.store import (StoreConfig, build_store, iter_store, pack, read_store_shard, store_shards,
                                     store_split, stores_split, write_store_shard)
@@ -97,8 +99,8 @@ def test_resume_skips_finished_shards(tmp_path, monkeypatch):
     assert len(paths) >= 3
     before = {p.name: _contents(p) for p in paths}
     calls = []
-    real = store.score
-    monkeypatch.setattr(store, "score", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = store_build.score
+    monkeypatch.setattr(store_build, "score", lambda *a, **k: calls.append(1) or real(*a, **k))
     build_store(target, None, _sources(), tmp_path, CFG, progress=False)
     assert calls == []  # everything was done: no forward at all
     paths[1].unlink()
@@ -189,13 +191,13 @@ def test_several_stores_train_together(tmp_path):
 
 
 def test_overlap_filter_removes_a_document_quoting_a_dev_question():
-    dev = corpus.eval_files()  # Spec-Bench's development split through $SPECREF_SPEC_BENCH (CI sets it)
+    dev = contamination.eval_files()  # Spec-Bench's development split through $SPECREF_SPEC_BENCH (CI sets it)
     if not dev:
         pytest.skip("no development questions: set SPECREF_SPEC_BENCH to Spec-Bench's question.jsonl")
     q = json.loads(open(dev[0], encoding="utf-8").readline())["turns"][0]
     words = re.findall(r"\w+", q)  # the filter's words
     assert len(words) >= 14
-    grams = corpus.dev_ngrams(dev)
+    grams = contamination.dev_ngrams(dev)
     quote = "As asked: " + " ".join(words[:13]) + " thanks"  # 13 words of the question
     quoting = Doc("s", "quote", (("user", "Please help."), ("assistant", quote)))
     twelve = Doc("s", "twelve", (("user", "Hi."), ("assistant", " ".join(words[:12]) + " zebra")))  # 12 words: kept
@@ -267,9 +269,9 @@ def test_passage_requests_quote_real_text_and_drop_dev_overlap():
         else:
             assert hit_en
     # a request sharing a 13-gram with the development questions is dropped and counted
-    grams = corpus.word_ngrams(srcs[0].docs[2].messages[1][1])
+    grams = word_ngrams(srcs[0].docs[2].messages[1][1])
     rows2, counts2 = corpus.passage_requests(srcs, 24, seed=1, grams=grams)
     assert len(rows2) == 24 and counts2["dev_overlap"] > 0
-    assert not any(grams & corpus.word_ngrams(r["instruction"]) for r in rows2)
+    assert not any(grams & word_ngrams(r["instruction"]) for r in rows2)
     with pytest.raises(ValueError, match="non-English"):
         corpus.passage_requests(srcs[:1], 4)
