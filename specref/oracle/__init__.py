@@ -1,6 +1,7 @@
 """The oracle: is a speculative sampler lossless? Answered with p-values against exact distributions.
 
-    stats.py      chi-square goodness of fit / homogeneity, TV with confidence intervals, power
+    stats.py      chi-square goodness of fit / homogeneity, the calibrated per-prefix test (gof_test) and its
+                  exact null tail (null_tail), TV with confidence intervals, power
     cases.py      the standard (p, q, length) cases of a chain rejection step
     adapters.py   the chain calling conventions (specref, vllm, plain); argument checks shared by all
     check.py      check_rejection_sampler (lossless or token-wise law); Report and its verdict PASS/FAIL/INCONCLUSIVE
@@ -14,6 +15,7 @@
     tree_check.py    check_tree_sampler: a tree verifier, lossless law (default) or SpecInfer's exact law
     lossless.py      the lossless law: the emitted tokens follow p prefix by prefix (chains and trees)
     lossless_selftest.py  block verification, trie merge, reversed order; the lossless self-test, KS
+    power_mutants.py lossy verifiers hiding where power is thin (rare paths, pooled cells, many depths)
     tree_greedy.py   check_greedy_verifier: exact comparison with greedy decoding
     tree_selftest.py tree and greedy mutants, references in every convention, tree_self_test
     cli.py        `python -m specref oracle --sampler module:function [--api ...] [--tree|--greedy] | --self-test`

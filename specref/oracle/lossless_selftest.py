@@ -14,21 +14,30 @@
 - `seed_reused_decoder`: a whole decoder (toy.speculative_sample) whose verifier is correct within a step but
   draws the same uniforms at every step; only check_generator sees it.
 `lossless_self_test` runs them with the chain and tree mutants under law="lossless", and checks that the
-per-test p-values of correct verifiers over repeated seeds are uniform (KS, at the tail too).
+per-test p-values of correct verifiers over repeated seeds are not below uniform (one-sided KS, at the tail
+too), and the per-prefix test's exact null tail at the per-test threshold (tail_calibration).
 """
 from __future__ import annotations
 
 import functools
 from typing import Callable, List, Tuple
 
+import numpy as np
 import torch
 
 from ..rejection import ChainResult, verify_chain, verify_tree
 from ..sampling import sample_from_probs, uniforms
 from .check import check_rejection_sampler
 from .selftest import MUTANTS, failure_reason, mutant, reference_chain
+from .lossless import MIN_EXPECTED
+from .stats import null_tail
+from .tree_cases import chain_cases, sequence_cases, shallow, standard_tree_cases
 from .tree_check import check_tree_sampler
 from .tree_selftest import DRAWN_WITHOUT, TREE_MUTANTS, reference_tree, reference_tree_without, tree_mutant
+
+
+POWER_SAMPLES = 30_000  # rows per variant at which the correct verifiers PASS the shallow cases (depth <= 1)
+CALIBRATION = 2.0  # the per-prefix test's exact null tail at the per-test threshold stays below this x nominal
 
 
 def block_verify(draft, p, q=None, *, lengths=None, generator=None, product_rule: bool = False) -> ChainResult:
@@ -128,12 +137,19 @@ def seed_reused_decoder(target, draft, k: int = 2, seed: int = 1234) -> Callable
     return fn
 
 
-def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tree_cases=None) -> Tuple[bool, List[str]]:
+def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tree_cases=None,
+                       power_samples: int = POWER_SAMPLES) -> Tuple[bool, List[str]]:
     """law="lossless": every correct verifier (whatever its law) must not FAIL, every mutant must FAIL;
-    law="specinfer" / "tokenwise" must FAIL the trie merge, the reversed order and block verification.
-    ks_runs > 0: per-test p-values of the correct references over ks_runs seeds uniform (ks_uniformity).
+    the power mutants (power_mutants.py, classes a-c) must not PASS; law="specinfer" / "tokenwise"
+    must FAIL the trie merge, the reversed order and block verification. power_samples > 0: every
+    correct verifier must PASS (not merely not FAIL) on the shallow cases (tree_cases.shallow, depth
+    <= 1; the trie drafts: sequences of 2 at twice the rows) at power_samples rows per variant,
+    where the honest power statement allows it.
+    ks_runs > 0: per-test p-values of the correct references over ks_runs seeds uniform (ks_uniformity),
+    and the per-prefix test's exact null tail at the per-test threshold (calibration).
     tree_cases: the cases of the iid / without tree runs (default standard_tree_cases())."""
     tc = dict(samples=samples, seed=seed, cases=tree_cases)
+    from .power_mutants import POWER_MUTANTS, chain_mutant, tree_mutant as power_tree_mutant
     from .selftest import verdict_line
 
     chain_ok = [("specref.rejection.verify_chain", verify_chain), ("reference_chain", reference_chain),
@@ -161,8 +177,34 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
         ok &= good
         lines.append(verdict_line(name, rep.verdict != "FAIL", correct, f"{rep.verdict}, {rep.samples} samples; "
                                   f"{failure_reason(rep)}"))
+    hiding = [(f"{m} (chain)", lambda m=m: check_rejection_sampler(chain_mutant(m), samples=samples, seed=seed))
+              for m in POWER_MUTANTS]
+    hiding += [(f"{m} (tree)", lambda m=m: check_tree_sampler(power_tree_mutant(m), **tc)) for m in POWER_MUTANTS]
+    for name, run in hiding:  # lossy where the power is thin: FAIL or INCONCLUSIVE, never PASS
+        rep = run()
+        good = rep.verdict != "PASS"
+        ok &= good
+        lines.append(f"{'ok ' if good else 'BAD'} {name:32s} expected not PASS, got {rep.verdict}; {rep.samples} samples; "
+                     f"detectable {rep.detectable_tv:.3f}; {failure_reason(rep)}")
+    if power_samples:
+        cs, ts = shallow(chain_cases(), 1), shallow(standard_tree_cases() if tree_cases is None else tree_cases, 1)
+        powered = [(n, lambda f=f: check_rejection_sampler(f, samples=power_samples, seed=seed, cases=cs)) for n, f in chain_ok]
+        powered += [(n, lambda f=f, s=s: check_tree_sampler(f, siblings=s, samples=power_samples, seed=seed, cases=ts))
+                    for n, f, s in tree_ok if s != "trie"]
+        powered += [(n, lambda f=f: check_tree_sampler(f, siblings="trie", samples=2 * power_samples, seed=seed,
+                                                       cases=shallow(sequence_cases(), 2)))  # sequences of 2
+                    for n, f, s in tree_ok if s == "trie"]
+        for name, run in powered:  # correct, with the power: PASS
+            rep = run()
+            good = rep.verdict == "PASS"
+            ok &= good
+            lines.append(f"{'ok ' if good else 'BAD'} {name + ' (powered)':32s} expected PASS, got {rep.verdict}; "
+                         f"{rep.samples} samples, detectable {rep.detectable_tv:.3f}; {failure_reason(rep)}")
     if ks_runs:
         good, line = ks_uniformity(ks_runs, samples, seed + 1000)
+        ok &= good
+        lines.append(line)
+        good, line = tail_calibration()
         ok &= good
         lines.append(line)
     lines.append(f"lossless self-test: {'PASS' if ok else 'FAIL'}")
@@ -171,7 +213,9 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
 
 def ks_uniformity(runs: int, samples: int, seed: int) -> Tuple[bool, str]:
     """Every lossless-mode test p-value (dof > 0) of reference_tree and reference_chain over `runs` seeds:
-    uniform by KS, and the share below 0.01 within the binomial rate (the tail the verdict uses)."""
+    never smaller than uniform (one-sided KS: no excess of small p-values anywhere), and the shares
+    below 0.05 and 0.01 within the binomial rate (the tail the verdict uses). One-sided: the exact
+    per-prefix tests (binomial, discrete) make the summed test conservative, p-values above uniform."""
     from scipy import stats
 
     pv = []
@@ -179,9 +223,32 @@ def ks_uniformity(runs: int, samples: int, seed: int) -> Tuple[bool, str]:
         for rep in (check_tree_sampler(reference_tree, samples=samples, seed=seed + r, early_stop=False),
                     check_rejection_sampler(reference_chain, samples=samples, seed=seed + r, early_stop=False)):
             pv += [t.p_value for t in rep.tests if t.dof > 0]
-    p_ks = stats.kstest(pv, "uniform").pvalue
-    low = sum(p < 0.01 for p in pv)
-    p_tail = stats.binomtest(low, len(pv), 0.01, alternative="greater").pvalue
+    p_ks = stats.kstest(pv, "uniform", alternative="greater").pvalue  # H1: the p-values' CDF above uniform's
+    lows = [(a, sum(p < a for p in pv)) for a in (0.05, 0.01)]
+    p_tail = min(stats.binomtest(k, len(pv), a, alternative="greater").pvalue for a, k in lows)
     good = p_ks > 1e-3 and p_tail > 1e-3
-    return good, (f"{'ok ' if good else 'BAD'} lossless p-values of the references over {runs} seeds: KS p {p_ks:.3g} "
-                  f"over {len(pv)}; {low} below 0.01 (binomial p {p_tail:.3g})")
+    return good, (f"{'ok ' if good else 'BAD'} lossless p-values of the references over {runs} seeds: one-sided KS p "
+                  f"{p_ks:.3g} over {len(pv)}; {lows[0][1]} below 0.05, {lows[1][1]} below 0.01 (binomial p {p_tail:.3g})")
+
+
+def tail_calibration(thresholds=(2e-5, 7.5e-6), sizes=(10, 25, 40, 60, 200, 1000)) -> Tuple[bool, str]:
+    """The per-prefix test (stats.gof_test) at the per-test thresholds of the chain and tree checks:
+    its exact null tail (stats.null_tail, every grouped outcome enumerated) on the skewed tables the
+    cases produce (a near one-hot p, a dominant cell over small ones, a filtered p) at every size
+    from MIN_ROWS up, at most CALIBRATION x nominal."""
+    tables = [np.array(t) for t in ([0.997, 0.001, 0.001, 0.001], [0.996, 0.001, 0.001, 0.001, 0.001],
+                                    [0.9, 0.05, 0.05], [0.98, 0.01, 0.01], [0.8, 0.15, 0.05], [0.6, 0.3, 0.1],
+                                    [0.5, 0.25, 0.25], [0.4, 0.3, 0.3])]
+    worst = (0.0, None)
+    for p in tables:
+        for n in sizes:
+            for thr in thresholds:
+                try:
+                    r = null_tail(p, n, thr, min_expected=MIN_EXPECTED) / thr
+                except ValueError:  # more than three groups at this size: not enumerated
+                    continue
+                worst = max(worst, (r, (p.tolist(), n, thr)), key=lambda w: w[0])
+    good = worst[0] <= CALIBRATION
+    return good, (f"{'ok ' if good else 'BAD'} exact null tail of the per-prefix test at the per-test threshold: "
+                  f"at most {worst[0]:.2f}x nominal (worst p {worst[1][0]}, n {worst[1][1]}, threshold {worst[1][2]:g}; "
+                  f"bound {CALIBRATION:g}x)")

@@ -222,11 +222,14 @@ def chain_cases(seed: int = 0) -> Tuple[TreeCase, ...]:
     g = torch.Generator().manual_seed(seed + 11)
     sm = lambda x: torch.softmax(x, -1)
     V = 4
+    near = torch.tensor([0.997, 0.001, 0.001, 0.001])  # a near one-hot p: its minor cells pool
+    q_near = torch.softmax(torch.randn(heap_rows(V, 1), V, generator=torch.Generator().manual_seed(seed + 12)), -1)
     sampled = TreeCase("chain", V, 4, (
         _sampled(V, 4, g, sm, sm, CHAIN4, "L4"),
         _sampled(V, 2, g, lambda x: _filtered(x, top_k=3), sm, CHAIN4[:2], "L2 top-k p"),
         _sampled(V, 1, g, sm, lambda x: torch.softmax(x / 2, -1), CHAIN4[:1], "L1"),
         _sampled(V, 0, g, sm, sm, (), "L0"),
+        TreeVariant(CHAIN4[:2], None, near.expand(heap_rows(V, 2), V).clone(), q_near, "L2 near one-hot p"),
     ))
     V = 24
     filtered = TreeCase("chain-filtered", V, 2, (
@@ -295,3 +298,14 @@ def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.
             p[rows, 1 + i] = var.p[heap[:, i]].float()
             q[rows, i] = qi.float()
     return tokens, parents, lengths, p, q, kinds
+
+
+def shallow(cases, max_depth: int = 2) -> Tuple[TreeCase, ...]:
+    """The variants of `cases` no deeper than max_depth (cases left empty dropped): fewer prefixes per
+    depth and fewer depths per step, so an honest PASS needs far fewer rows (the self-tests' cases)."""
+    out = []
+    for c in cases:
+        keep = tuple(v for v in c.variants if max(depths(v.parents), default=0) <= max_depth)
+        if keep:
+            out.append(TreeCase(c.name, c.vocab, c.width, keep))
+    return tuple(out)

@@ -20,7 +20,7 @@ from specref.oracle.lossless_selftest import (block_verify, ks_uniformity, lossl
                                               seed_reused_decoder, trie_merge_tree)
 from specref.oracle.selftest import MUTANTS
 from specref.oracle.toy import MarkovLM, ToyConfig, speculative_sample
-from specref.oracle.tree_cases import chain_cases, sequence_cases, standard_tree_cases
+from specref.oracle.tree_cases import chain_cases, sequence_cases, shallow, standard_tree_cases
 from specref.oracle.tree_check import check_tree_sampler
 from specref.oracle.tree_selftest import TREE_MUTANTS
 
@@ -68,7 +68,7 @@ def test_lossless_self_test_rejects_every_mutant(capsys):
     # `python -m specref oracle --self-test --lossless` on the small tree cases: the nine chain mutants,
     # block verification with vLLM-Ascend's product rule and the twelve tree mutants FAIL the lossless law, the correct rules do not, the stricter laws FAIL
     # the other rules
-    ok, lines = lossless_self_test(samples=1_000, tree_cases=SMALL)
+    ok, lines = lossless_self_test(samples=1_000, tree_cases=SMALL, power_samples=0)
     assert ok and lines[-1] == "lossless self-test: PASS", "\n".join(lines)
     for name in list(MUTANTS) + list(TREE_MUTANTS) + ["block_product_rule"]:
         assert any(line.startswith(f"ok  {name} ") and "got FAIL" in line for line in lines), name
@@ -80,11 +80,16 @@ def test_inconclusive_then_pass_with_the_samples_it_asked_for():
     small = check_rejection_sampler(specref.verify_chain, samples=300, seed=3)
     assert small.verdict == "INCONCLUSIVE" and not small.passed and small.detectable_tv > 0.05
     assert "rows per variant needed" in small.summary()
-    depths = {name.rsplit(" depth ", 1)[1] for name, _ in small.power if name.startswith("chain/L4 ")}
+    depths = {name.rsplit(" depth ", 1)[1] for name, _ in small.power if name.startswith("chain/L4 depth ")}
     assert depths == {"0", "1", "2", "3", "4"}  # power stated per depth, not only for the first token
     n4 = [t.n for t in small.tests if t.name.startswith("chain/L4 depth ")]
     assert n4 == sorted(n4, reverse=True) and n4[0] == 300 > n4[-1]  # deeper prefixes see fewer rows
-    big = check_rejection_sampler(specref.verify_chain, samples=small.samples_needed, seed=3)
+    # a PASS on the full chain cases needs ~160,000 rows per variant (every depth of L4 summed); the
+    # same question on the shallow cases (depth <= 1) asks for far fewer, and PASSES with them
+    cases = shallow(chain_cases(), 1)
+    small = check_rejection_sampler(specref.verify_chain, samples=1_000, seed=3, cases=cases)
+    assert small.verdict == "INCONCLUSIVE" and 1_000 < small.samples_needed < 60_000, small.summary()
+    big = check_rejection_sampler(specref.verify_chain, samples=small.samples_needed, seed=3, cases=cases)
     assert big.verdict == "PASS" and big.passed and big.detectable_tv <= 0.05, big.summary()
 
 
@@ -92,7 +97,7 @@ def test_cli_lossless_exit_status(capsys):
     assert oracle_main(["--tree", "--sampler", "specref.oracle.lossless_selftest:trie_merge_tree", "--siblings", "trie",
                         "--samples", "300"]) == 3
     assert "verdict: INCONCLUSIVE (law lossless, drafts trie" in capsys.readouterr().out
-    assert oracle_main(["--sampler", "specref.oracle.lossless_selftest:block_verify", "--samples", "300",
+    assert oracle_main(["--sampler", "specref.oracle.lossless_selftest:block_verify", "--samples", "25000",
                         "--tv-bound", "0.3"]) == 0
     assert oracle_main(["--tree", "--sampler", "specref.oracle.lossless_selftest:trie_merge_tree", "--siblings", "trie",
                         "--samples", "300", "--law", "specinfer"]) == 1
@@ -116,8 +121,9 @@ def test_seed_reused_across_steps_needs_the_whole_decoder():
 
 
 def test_p_values_of_correct_rules_are_uniform_at_the_tail():
-    # every lossless-mode test p-value of the chain and tree references over 8 seeds: uniform (KS)
-    # and no excess below 0.01
+    # every lossless-mode test p-value of the chain and tree references over 8 seeds: never below
+    # uniform (one-sided KS; the exact per-prefix tests make the sum conservative) and no excess
+    # below 0.05 or 0.01
     good, line = ks_uniformity(runs=8, samples=300, seed=50)
     assert good, line
 

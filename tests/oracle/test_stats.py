@@ -98,9 +98,11 @@ def test_pooling_small_cells():
     assert res.statistic == pytest.approx(0.0)  # 50 vs 50 and 50 vs 50
     # the worst cells still name the unpooled culprit: cell 2, 3 observed vs 0.5 expected
     assert res.worst_cells[0].index == 2 and res.worst_cells[0].expected == pytest.approx(0.5)
-    # everything pooled into one cell: nothing to test
+    # every cell small: the pool never takes the largest cell too (that left nothing to test): two
+    # groups, the exact binomial of the pooled one (expected 1.8 of 3, observed 2)
     res = chi_square_gof([1, 1, 1], [0.3, 0.3, 0.4])
-    assert res.dof == 0 and res.p_value == 1.0
+    assert res.dof == 1 and res.method == "binomial"
+    assert res.p_value == pytest.approx(stats.binomtest(2, 3, 0.6).pvalue)
     # min_expected=0 disables pooling
     assert chi_square_gof([1, 1, 1], [0.3, 0.3, 0.4], min_expected=0).num_cells_used == 3
 
