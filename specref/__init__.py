@@ -5,12 +5,11 @@
     out = speculative_generate(model, NgramProposer(), input_ids, max_new_tokens=64, temperature=0)
 
 Everything a user needs is re-exported here. The package: the core (sampling, rejection, tree,
-kv_rollback, target, proposer, generate, theory, costs), one module per method (draft_model,
+kv_rollback, target, proposer, generate, theory, picker/), one module per method (draft_model,
 ngram, lookahead, eagle_head (+ eagle_tree, eagle3), medusa_heads (+ medusa_tree, typical), mtp, mlp_speculator, hybrid), and three wings: oracle/ (is a sampler lossless?),
 training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
 submodules (models, training, bench) import their optional dependencies lazily.
 """
-from .costs import measure_cost, measure_verify_cost
 from .draft_model import DraftModelConfig, DraftModelProposer, load_trained_draft, truncated_draft
 from .eagle3 import Eagle3Head, load_eagle3
 from .eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle
@@ -19,15 +18,15 @@ from .generate import GenerationOutput, GenerationStats, NullProposer, autoregre
 from .hybrid import HybridConfig, HybridProposer
 from .kv_rollback import SpecCache
 from .lookahead import LookaheadConfig, LookaheadProposer
-from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, load_medusa
-from .mlp_speculator import (MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator,
-                             load_published_mlp_speculator)
-from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp
+from .medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa
+from .mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator
+from .mtp import MTPConfig, MTPProposer, MTPStack, load_mtp
 from .ngram import NgramConfig, NgramProposer, propose_ngram
 from .oracle import (Report, check_generator, check_greedy_verifier, check_rejection_sampler, check_tree_sampler,
                      chi_square_gof, chi_square_two_sample, detectable_tv, joint_index, samples_for_tv, tv_distance)
-from .picker import PickerConfig, Recommendation, recommend
+from .picker import PickerConfig, Recommendation, measure_cost, measure_verify_cost, recommend
 from .proposer import Context, Draft, Proposer
+from .published import load_native_mtp, load_published_mlp_speculator
 from .registry import METHODS, Registry
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
@@ -56,7 +55,7 @@ __all__ = [  # sorted
     "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",
-    "chi_square_two_sample", "detectable_tv", "expected_tokens", "hydra_from_medusa", "joint_index", "load_default",
+    "chi_square_two_sample", "detectable_tv", "expected_tokens", "joint_index", "load_default",
     "load_eagle", "load_eagle3", "load_medusa", "load_mlp_speculator", "load_mtp", "load_native_mtp",
     "load_published_mlp_speculator", "load_trained_draft",
     "logits_to_probs", "make_generators", "measure_cost", "measure_verify_cost", "optimal_k",

@@ -253,7 +253,7 @@ def read_prompts(path: str) -> tuple:
 def pick_cmd(args) -> int:
     """`python -m specref pick`: calibrate on the prompts, print the predictions and the pick."""
     from . import picker
-    from .calibrate import calibrate
+    from .picker import calibrate
     from .registry import Registry
 
     if args.budget_s is not None and args.budget_s <= 0:

@@ -16,13 +16,13 @@ f with Smooth-L1 and adds w_cls times the cross-entropy of q against the target'
 stored top-k of p, soft cross-entropy); inputs get uniform noise U(-eps, eps) (Sec. 3.2's data
 augmentation against the error accumulation of drafting on predicted features).
 
-`extra_layers` (our option; the paper's head has one layer, EAGLE's code takes the count from its
+`extra_layers` (not in the paper, whose head has one layer; EAGLE's code takes the count from its
 config): more decoder layers after the first, each starting as the identity (its attention output
 and MLP down projections zero), so a head continued from a one-layer file starts as that head. With
 one layer a key at pair j holds (f_j, x_{j+1}), never x_j itself, so matching the query's token
 against an earlier occurrence of it (copying from the prompt) has to read x_j out of f_j; a second
 layer can first move each token to its successor's slot (the two-layer induction circuit).
-`current_token` (our option) gives one layer that token directly, a third FC input:
+`current_token` (not in the paper) gives one layer that token directly, a third FC input:
 
     g_t = FC([Norm(e(x_{t+1})); Norm(f_t); Norm(e(x_t))])  (3D -> D)
 
@@ -34,7 +34,7 @@ Drafting (Sec. 3.1, chain): the head's own KV cache holds the pairs with TRUE fe
 first feeds the pairs that verification just made true (catch-up), then k-1 pairs of its own
 predicted features and drafted tokens; after verification those speculative slots are dropped
 (they were computed from predicted features) and the accepted positions are re-fed with the
-target's features next step. With `EagleConfig(adaptive=True)` (our addition) each row drafts the
+target's features next step. With `EagleConfig(adaptive=True)` (not in the paper) each row drafts the
 k' <= k that maximises the closed-form speed-up for its own measured acceptance, the rule of
 ngram.py's adaptive mode (at least one draft, so acceptance keeps being measured).
 EAGLE-2's dynamic draft tree is eagle_tree.py (the same head); EAGLE-3's fused multi-layer features
@@ -42,23 +42,20 @@ and own LM head are eagle3.py (a subclass of this head, drafted by the same prop
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .backends.cpu_linear import PackedLinears, packing_available
+from .backends.cpu_linear import pack_on_cpu, packed
 from .checks import normalise_ints
-from .costs import device_sync, median_block_times
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
-from .target import Target, additive_mask, attending
+from .target import additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
 from .weights import (FOLDER, load_tensors, load_token_map, save_trained, tensor_names, warn_if_other_target,
                       weights_info)
@@ -196,7 +193,7 @@ class EagleConfig:
     adaptive: bool = False  # True: each row drafts the k' in 1..k maximising the closed-form speed-up
     # for its own measured acceptance rate (the rule of NgramConfig.adaptive, never below 1 draft)
     draft_cost: float = 0.1  # adaptive: c, cost of one more drafted token (a head step plus one more
-    # verified token) over a 1-token target step (measure_head_cost + costs.measure_verify_cost)
+    # verified token) over a 1-token target step (picker.costs: measure_head_cost, measure_verify_cost)
     verify_cost_fixed: float = 0.07  # adaptive: c0, extra cost of any multi-token verify block
     memory: float = 0.9  # adaptive: per-step decay of the acceptance counts (~10 steps of memory)
     prior_accept: float = 0.5  # adaptive: prior mean of the per-token acceptance rate
@@ -222,9 +219,8 @@ class EagleProposer:
         self.hidden_layers = tuple(head.hidden_layers)
         self.vocab_size = head.vocab_size
         self.cache: Optional[SpecCache] = None
-        dev = head.fc.weight.device
-        # CPU fp32: the head's linears pre-packed for oneDNN, as the target's (backends/cpu_linear.py)
-        self.packed = PackedLinears.of(head) if dev.type == "cpu" and packing_available() else None
+        # CPU: the head's linears pre-packed for oneDNN, as the target's (backends/cpu_linear.py)
+        self.packed = pack_on_cpu(head, head.fc.weight.device)
 
     @torch.no_grad()
     def _store(self, ctx: Context) -> None:
@@ -273,7 +269,7 @@ class EagleProposer:
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         if self.cache is None:
             raise ValueError("EagleProposer.propose() called before begin()")
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+        with packed(self.packed):
             return self._propose(ctx, sampling, generator)
 
     @staticmethod
@@ -336,33 +332,6 @@ class EagleProposer:
         n = num_accepted.cpu().numpy()  # (B,)
         self.acceptance.observe(n, (n < self.drafted).astype(np.float64), self.drafted > 0)
         self.drafted = np.zeros_like(self.drafted)  # counted once: an update without a propose sees none
-
-
-@torch.no_grad()
-def measure_head_cost(target, head: EagleHead, cache_len: int = 200, reps: int = 15) -> dict:
-    """Median seconds of one drafting step of the head (one pair on a `cache_len` cache + its LM
-    head) and of a 1-token target forward; c = their ratio (the closed form's draft cost)."""
-    tgt = target if isinstance(target, Target) else Target(target)
-    t_target = median_block_times(tgt, [1], cache_len, reps, warmup=2)[1]
-    prop = EagleProposer(head)
-    dev = head.fc.weight.device
-    prop.cache = SpecCache(head.num_layers, 1, cache_len + 2, dev)
-    D = head.hidden_size
-    feats = torch.randn(1, cache_len, D, device=dev, dtype=head.fc.weight.dtype)  # (1, T, D)
-    zeros = torch.zeros(1, cache_len, dtype=torch.long, device=dev)  # (1, T)
-    prop._forward(feats, zeros, zeros)
-    prop.cache.commit(torch.full((1,), cache_len, device=dev))
-    times = []
-    with prop.packed.active() if prop.packed is not None else contextlib.nullcontext():
-        for _ in range(reps + 2):
-            t0 = time.perf_counter()
-            zero = torch.zeros(1, 1, dtype=torch.long, device=dev)  # (1, 1)
-            f_hat = prop._forward(feats[:, :1], zero, zero)  # (1, 1, D)
-            head.logits(f_hat).argmax(-1)
-            device_sync(dev)
-            times.append(time.perf_counter() - t0)
-    t_head = sorted(times[2:])[reps // 2]
-    return {"t_target": t_target, "t_draft": t_head, "c": t_head / t_target}
 
 
 # ----------------------------------------------------------------------------- weights

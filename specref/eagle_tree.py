@@ -14,7 +14,7 @@ probability that the target accepts the whole path. Two phases per step:
    by V_i, and the best `total_tokens` become the tree the target verifies in one forward. A node's
    value never exceeds its parent's, and ties go to the earlier node, so parents are always kept.
 
-Our addition for ragged rows (`min_value`): a node is kept only if V_i >= min_value, so a row whose
+Not in the paper, for ragged rows (`min_value`): a node is kept only if V_i >= min_value, so a row whose
 head is unsure drafts a smaller tree than a confident one (each node costs the target a wider
 verify block; a node worth less than that cost is not worth verifying).
 
@@ -46,7 +46,7 @@ class Eagle2Config:
     is: small, shallow trees chosen from a wide candidate pool. A node is worth verifying when its
     path's head probability (its expected accepted tokens) exceeds the marginal cost of one more
     block token, and a level is worth expanding when the tokens it adds outweigh one head step; the
-    defaults follow it for the default model on CPU (the measurements: docs/experiments.md)."""
+    defaults follow it for the default model on CPU."""
 
     top_k: int = 4  # children per expanded node and frontier width (paper: 10): the pool to rerank
     # is top_k + (depth-1) top_k^2 = 20 candidates; a frontier row costs the head little

@@ -10,7 +10,7 @@ Speculative sampling (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): eac
 Before the loop, prepare.py reads transformers' conventions, checks every argument and allocates
 (a Run); a prefill opens the first step. What a call adds around the four steps (streamer, stop
 strings, max_time, NaN check, logits processors, user-draft checks, sequences) is one Hooks object
-(hooks.py) called at fixed points. Every emitted token comes out of step 3, so the output is
+(hf/hooks.py) called at fixed points. Every emitted token comes out of step 3, so the output is
 distributed exactly as sampling from the target with the same settings (the chi-square tests), and
 under greedy decoding it is token-for-token the target's greedy output. The one exception is
 opt-in: a proposer whose `acceptance_rule` is Medusa's typical acceptance (typical.py) trades
@@ -30,8 +30,8 @@ draws a fixed k + 1 uniforms per row and step. A user's proposer adds its Draft 
 a tree its structure checks (tree.py), stop strings and a streamer their own reads.
 Logits processors that read the context (repetition penalty, no-repeat n-grams, min_new_tokens,
 bad words, presence / frequency penalties, a transformers LogitsProcessorList) are applied to p at
-every draft position on that position's own context, draft tokens included (processors.py),
-which keeps them lossless. Left out: beam search and the other settings hf_generation.resolve()
+every draft position on that position's own context, draft tokens included (hf/processors.py),
+which keeps them lossless. Left out: beam search and the other settings hf/generation.resolve()
 names in its error.
 """
 from __future__ import annotations
@@ -43,14 +43,13 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import rejection, tree, typical
-from .costs import device_sync
 from .counters import Counters, GenerationStats
-from .hf_generation import UNSET
-from .hooks import Hooks
+from .hf.generation import UNSET
+from .hf.hooks import Hooks
 from .prepare import Run, prepare
 from .proposer import Context, Draft
 from .sampling import Generators, logits_to_probs
-from .target import Target
+from .target import Target, device_sync
 
 
 @dataclass
@@ -138,11 +137,11 @@ def speculative_generate(
     max_len: the target cache's slots per row (default: just enough). timing: synchronise the
     device around each phase so that stats' phase times are exact on CUDA (the bench sets it).
 
-    transformers' conventions (hf_generation.py): `generation_config` and generate-style
+    transformers' conventions (hf/generation.py): `generation_config` and generate-style
     `**generation_kwargs` (do_sample, repetition_penalty, no_repeat_ngram_size, min_new_tokens,
     bad_words_ids, max_length, ...), over the model's own generation_config; the keyword arguments
     above win over both. Unsupported settings (beams, several sequences, ...) are a ValueError.
-    logits_processor: a transformers LogitsProcessorList or specref processors (processors.py);
+    logits_processor: a transformers LogitsProcessorList or specref processors (hf/processors.py);
     presence_penalty / frequency_penalty: vLLM's. Every processor is applied losslessly: each draft
     position (tree node) on its own context, draft tokens included. stop_strings (with `tokenizer`):
     a row stops where transformers' StopStringCriteria stops, even inside an accepted run.

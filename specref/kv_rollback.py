@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .compat import check_transformers
+from .hf.compat import check_transformers
 
 try:  # an incompatible transformers fails in SpecCache() with check_transformers' message, not here
     from transformers.cache_utils import Cache, CacheLayerMixin

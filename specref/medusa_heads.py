@@ -35,56 +35,30 @@ tokens before its position, x_{t+1} .. x_{t+k} (the pending token and the path's
     u_t^(k) = W_in^(k) [h_t; e(x_{t+1}); ...; e(x_{t+k})]      W_in^(k) in R^{D x (k+1)D}
     p_t^(k) = softmax(W_2 (SiLU(W_1^(k) u + b^(k)) + u))
 
-W_in starts as [I | 0], so a fresh (or Medusa-started: `hydra_from_medusa`) head is the Medusa
+W_in starts as [I | 0], so a fresh (or Medusa-started: `training.hydra_from_medusa`) head is the Medusa
 head. The tree keeps Medusa's choices, but a node's rank-i token is now the head's rank-i token
 given the node's own path, so the proposer expands the tree level by level, one head call per
 distinct parent. The drafts remain a function of the history (siblings "deterministic"): the
 acceptance is unchanged and lossless.
 
-Prefix attention (Hydra++, Ankner et al. 2024, Sec. 4): a head reads one state h_t, the target's
-summary of the prefix for predicting x_{t+1}; Hydra++ adds one decoder layer over the target's
-states, attending over the whole prefix, whose output the heads read instead:
-
-    h~_t = PrefixLayer(h_{<=t})       causal attention over the target's final states
-    p_t^(k) = the head of above on h~_t
-
-`prefix="layer"` is that decoder layer (a copy of the target's last); `prefix="attention"` (our
-variant, a quarter of the parameters) keeps its attention block only: h~_t = h_t + Attn(Norm(h))_t.
-Neither layer knows the pending token x_{t+1} when it attends, so neither can look for that token's
-earlier occurrences and what followed them (copying from the prompt). `prefix="pairs"` (our
-variant, EAGLE-1's input) runs the decoder layer over pairs, each state with the token after it:
-
-    h~_t = PrefixLayer(W_p [h_j; e(x_{j+1})]  for j <= t)       W_p in R^{D x 2D}, starting as [I | 0]
-
-(x_{j+1} for j <= t is committed: x_{t+1} is the pending token, already sampled). `prefix="eagle"`
-(our variant) makes that layer EAGLE-1's head (eagle_head.py: input norms, FC, decoder layer,
-output norm), so h~_t is its predicted feature f^_{t+1}, and `hydra_on_eagle` starts Hydra heads on a
-trained EAGLE-1 head: head 1 the identity (its logits are the EAGLE head's first draft), head k+1
-the given Hydra heads' head k one position on (f^_{t+1} in the place of h_{t+1}). The other kinds start as
-the identity (W_p as [I | 0], the layer's attention output and MLP down projections zero), so
-heads given a prefix (`add_prefix`) start as themselves. The layer reads only the target's states at committed
-positions, never a draft, so its own KV cache grows by the tokens each verification commits and
-never rolls back; its output is a function of the history, and the acceptance stays lossless.
-Left out: Hydra++'s teacher-distillation objective (our labels already are the target's own
-distribution).
+Prefix layers (Hydra++, Ankner et al. 2024, Sec. 4; medusa_prefix.py): `prefix=` gives the heads one
+decoder layer over the target's states, whose output they read instead of h_t; it reads only
+committed states, so the drafts stay a function of the history and the acceptance lossless.
 """
 from __future__ import annotations
 
-import copy
 import json
-import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 
-from .costs import device_sync, median_block_times
 from .eagle_head import EagleHead
 from .kv_rollback import SpecCache
+from .medusa_prefix import add_prefix, prefix_step
 from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
-from .target import Target, additive_mask, attending
 from .typical import TypicalAcceptance
 from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
 
@@ -104,24 +78,6 @@ class ResBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.nn.functional.silu(self.linear(x))  # (..., D)
-
-
-class PrefixAttention(torch.nn.Module):
-    """A decoder layer's attention block alone: h + Attn(Norm(h)), called as a decoder layer."""
-
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
-
-    def forward(self, h: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None) -> torch.Tensor:
-        a, _ = self.self_attn(hidden_states=self.input_layernorm(h), attention_mask=attention_mask,
-                              position_ids=position_ids, cache=cache, use_cache=use_cache,
-                              position_embeddings=position_embeddings)
-        return h + a  # (B, Q, D)
-
-
-PREFIX_KINDS = ("attention", "layer", "pairs", "eagle")
 
 
 class MedusaHeads(torch.nn.Module):
@@ -178,67 +134,10 @@ class MedusaHeads(torch.nn.Module):
         if prefix is not None:
             self.add_prefix(target, prefix)
 
-    def untie_lm_heads(self) -> "MedusaHeads":
-        """Give every head a trainable copy of the shared LM head (Medusa-1's own LM heads): the same
-        logits until training moves the copies."""
-        if self.own_lm_head:
-            raise ValueError("the heads already have their own LM heads")
-        rows = self.lm_heads[0].weight.detach()  # (Vd, D)
-        Vd, D = rows.shape
-        self.lm_heads = torch.nn.ModuleList(
-            torch.nn.Linear(D, Vd, bias=False) for _ in range(self.num_heads)).to(rows.device, rows.dtype)
-        with torch.no_grad():
-            for lm in self.lm_heads:
-                lm.weight.copy_(rows)
-        self.own_lm_head = True
-        return self
-
     def add_prefix(self, target: torch.nn.Module, kind: str = "layer", eagle: Optional[EagleHead] = None
                    ) -> "MedusaHeads":
-        """Give the heads a prefix layer (`kind` "layer", "attention", "pairs" or "eagle", the module
-        docstring). The first three start as the identity: heads whose logits are these heads' until
-        training moves it. "eagle" is a copy of `eagle` (an EAGLE-1 EagleHead of this target; None: a
-        fresh one, its FC random)."""
-        if kind not in PREFIX_KINDS:
-            raise ValueError(f"prefix must be one of {PREFIX_KINDS}, got {kind!r}")
-        if self.prefix is not None:
-            raise ValueError(f"the heads already have a prefix {self.prefix_kind!r}")
-        if eagle is not None and kind != "eagle":
-            raise ValueError(f"an EAGLE head is the prefix of kind 'eagle' only, not {kind!r}")
-        inner = getattr(target, "model", None)
-        layers = getattr(inner, "layers", None)
-        if layers is None or not hasattr(inner, "rotary_emb"):
-            raise ValueError(f"{type(target).__name__} is not a Llama-family causal LM (model.layers, "
-                             "model.rotary_emb); a prefix layer copies its last decoder layer")
-        w = self.lm_heads[0].weight
-        if kind == "eagle":
-            if eagle is None:
-                eagle = EagleHead(target, self.token_map)
-            if type(eagle) is not EagleHead or eagle.hidden_size != self.hidden_size:
-                raise ValueError(f"an 'eagle' prefix is an EAGLE-1 EagleHead of width {self.hidden_size} (EAGLE-3's "
-                                 f"reads fused features the heads do not have), got {type(eagle).__name__}")
-            shared = {id(m): m for m in eagle._shared}  # the target's embeddings: referenced, never copied
-            self.prefix = copy.deepcopy(eagle, shared).to(w.device, w.dtype).train(self.training)
-            self.prefix_kind = "eagle"
-            return self
-        layer = copy.deepcopy(layers[-1]).to(w.device, w.dtype)
-        layer.self_attn.layer_idx = 0  # the prefix's own cache has one layer
-        with torch.no_grad():  # the residual branches start at 0: the layer is the identity
-            layer.self_attn.o_proj.weight.zero_()
-            if getattr(layer.self_attn.o_proj, "bias", None) is not None:
-                layer.self_attn.o_proj.bias.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        self.prefix = (PrefixAttention(layer) if kind == "attention" else layer).requires_grad_(True)
-        if kind == "pairs":
-            D = self.hidden_size
-            self.prefix_in = torch.nn.Linear(2 * D, D, bias=False).to(w.device, w.dtype)
-            with torch.no_grad():  # [I | 0]: the state alone at the start
-                self.prefix_in.weight.zero_()
-                self.prefix_in.weight[:, :D].copy_(torch.eye(D))
-            self._prefix_embed = (inner.embed_tokens,)  # not a submodule: the target's
-        self.prefix_kind = kind
-        self._rotary = (inner.rotary_emb,)  # not a submodule: the target's
-        return self
+        """Give the heads a prefix layer of `kind` (medusa_prefix.add_prefix). -> the heads."""
+        return add_prefix(self, target, kind, eagle)
 
     @property
     def prefix_layers(self) -> int:
@@ -293,17 +192,6 @@ class MedusaHeads(torch.nn.Module):
     def trainable(self) -> List[Tuple[str, torch.nn.Parameter]]:
         return [(n, q) for n, q in self.named_parameters() if q.requires_grad]
 
-    def deepen(self, num_layers: int) -> "MedusaHeads":
-        """Append zero-initialised ResBlocks (the identity) to every head up to num_layers: deeper
-        heads whose logits are these heads' until training moves the new blocks."""
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < self.num_layers:
-            raise ValueError(f"num_layers must be an int >= the heads' {self.num_layers}, got {num_layers!r}")
-        w = self.lm_heads[0].weight
-        for seq in self.blocks:
-            for _ in range(num_layers - self.num_layers):
-                seq.append(ResBlock(self.hidden_size).to(w.device, w.dtype))
-        self.num_layers = num_layers
-        return self
 
 
 @dataclass(frozen=True)
@@ -373,7 +261,7 @@ class MedusaProposer:
         at each row's next cache slots (= their positions: the cache holds every committed state
         from position 0); the valid ones committed. -> h~ (B, W, D)"""
         w = self.heads.lm_heads[0].weight
-        return _prefix_step(self.heads, self.cache, ctx.hidden.to(w.dtype), n, ctx.tokens)
+        return prefix_step(self.heads, self.cache, ctx.hidden.to(w.dtype), n, ctx.tokens)
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, dev = ctx.tokens.shape[0], ctx.tokens.device
@@ -438,54 +326,6 @@ def _levels(choices, device) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Ten
     return out
 
 
-@torch.no_grad()
-def measure_heads_cost(target, heads: MedusaHeads, depth: Optional[int] = None, reps: int = 21) -> dict:
-    """Median seconds of the heads' step (one row, `depth` heads + top-k) and of a 1-token target
-    forward on a 200-token cache; c = their ratio."""
-    tgt = target if isinstance(target, Target) else Target(target)
-    t_target = median_block_times(tgt, [1], 200, 15, warmup=2)[1]
-    w = heads.lm_heads[0].weight
-    h = torch.randn(1, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, D)
-    n = heads.num_heads if depth is None else depth
-    tokens = torch.zeros(1, n, dtype=torch.long, device=w.device) if heads.sequential else None  # (1, n): one path
-    cache, Q = None, 2  # the prefix layer: Q newly committed states on a 200-state cache per step
-    if heads.prefix is not None:
-        cache = SpecCache(heads.prefix_layers, 1, 200 + Q + 1, w.device)
-        prefill = torch.randn(1, 200, heads.hidden_size, device=w.device, dtype=w.dtype)  # (1, 200, D)
-        _prefix_step(heads, cache, prefill, torch.full((1,), 200))
-    times = []
-    for _ in range(reps + 2):
-        t0 = time.perf_counter()
-        if cache is not None:
-            h = _prefix_step(heads, cache, h[:, None].expand(1, Q, heads.hidden_size), torch.full((1,), Q))[:, -1]
-            cache.rollback_to(cache.lengths - Q)
-        heads(h, heads=depth, tokens=tokens).topk(4, dim=-1)
-        device_sync(w.device)
-        times.append(time.perf_counter() - t0)
-    t_heads = sorted(times[2:])[reps // 2]
-    return {"t_target": t_target, "t_draft": t_heads, "c": t_heads / t_target}
-
-
-def _prefix_step(heads: MedusaHeads, cache: SpecCache, h: torch.Tensor, keep: torch.Tensor,
-                 tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The prefix layer on states h (B, W, D) at each row's next cache slots (= their positions), the
-    first keep (B,) of each row committed; tokens (B, T): the sequence whose x_{j+1} a "pairs" or
-    "eagle" prefix reads beside state j, and x_j a current-token EAGLE head (None: token 0, for
-    timing). -> h~ (B, W, D)"""
-    slots = cache.begin_block(h.shape[1])  # (B, W)
-    S = int(slots.max()) + 1
-    allowed = torch.arange(S, device=slots.device).view(1, 1, S) <= slots.unsqueeze(-1)  # (B, W, S)
-    nxt = (torch.zeros_like(slots) if tokens is None
-           else tokens.gather(1, (slots + 1).clamp(max=tokens.shape[1] - 1)))  # (B, W) x_{j+1} of state j
-    cur = (torch.zeros_like(slots) if tokens is None
-           else tokens.gather(1, slots.clamp(max=tokens.shape[1] - 1)))  # (B, W) x_j
-    with attending(cache, S):
-        out = heads.contextualise(h, slots, additive_mask(allowed, h.dtype), cache=cache, next_tokens=nxt,
-                                  cur_tokens=cur)
-    cache.commit(keep.to(slots.device))
-    return out
-
-
 # ----------------------------------------------------------------------------- weights
 
 
@@ -528,49 +368,3 @@ def load_medusa(target: torch.nn.Module, path=WEIGHTS) -> MedusaHeads:
     load_tensors(path, dict(heads.trainable()), "Medusa heads")
     heads.choices = meta["choices"] or None
     return heads.eval()
-
-
-@torch.no_grad()
-def hydra_from_medusa(target: torch.nn.Module, heads: MedusaHeads, num_heads: Optional[int] = None) -> MedusaHeads:
-    """Hydra heads (sequential) that start as the first `num_heads` of Medusa `heads`: the same
-    ResBlocks, LM head and draft vocabulary, each input projection [I | 0]; their logits equal the
-    Medusa heads' until training moves W_in."""
-    if not isinstance(heads, MedusaHeads) or heads.sequential:
-        raise ValueError("hydra_from_medusa needs Medusa (not already sequential) MedusaHeads")
-    n = heads.num_heads if num_heads is None else num_heads
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= heads.num_heads:
-        raise ValueError(f"num_heads must be an int in [1, {heads.num_heads}], got {num_heads!r}")
-    out = MedusaHeads(target, n, heads.token_map, num_layers=heads.num_layers, own_lm_head=heads.own_lm_head,
-                      sequential=True)
-    for k in range(n):
-        out.blocks[k].load_state_dict(heads.blocks[k].state_dict())
-    for k in range(len(out.lm_heads)):
-        out.lm_heads[k].weight.copy_(heads.lm_heads[k].weight)
-    return out.eval()
-
-
-@torch.no_grad()
-def hydra_on_eagle(target: torch.nn.Module, hydra: MedusaHeads, eagle: EagleHead,
-                   num_heads: Optional[int] = None) -> MedusaHeads:
-    """Hydra heads with an "eagle" prefix (a copy of `eagle`, an EAGLE-1 head) that start from it and
-    from trained Hydra heads `hydra`: head 1 the identity (W_in [I | 0], zero ResBlocks), so its
-    logits are the EAGLE head's first draft, LMHead(f^_{t+1}); head k >= 2 is hydra's head k - 1 one
-    position on: it reads f^_{t+1} where that head read h_t and x_{t+2} .. x_{t+k} where it read
-    x_{t+1} .. x_{t+k-1} (x_{t+1}'s columns zero). The draft vocabulary is the EAGLE head's (the LM
-    head rows are the target's). num_heads: 1 .. hydra.num_heads + 1 (default hydra.num_heads)."""
-    if not isinstance(hydra, MedusaHeads) or not hydra.sequential or hydra.own_lm_head or hydra.prefix is not None:
-        raise ValueError("hydra_on_eagle needs sequential MedusaHeads (Hydra) that share the target's LM head and "
-                         "have no prefix of their own (hydra_from_medusa makes Hydra heads from Medusa heads)")
-    n = hydra.num_heads if num_heads is None else num_heads
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= hydra.num_heads + 1:
-        raise ValueError(f"num_heads must be an int in [1, {hydra.num_heads + 1}], got {num_heads!r}")
-    out = MedusaHeads(target, n, eagle.token_map, num_layers=hydra.num_layers, sequential=True)
-    out.add_prefix(target, "eagle", eagle)
-    D = out.hidden_size
-    for k in range(2, n + 1):
-        src = hydra.inputs[k - 2].weight  # (D, k D): [h_t | e(x_{t+1}) .. e(x_{t+k-1})]
-        w = torch.zeros_like(out.inputs[k - 1].weight)  # (D, (k + 1) D)
-        w[:, :D], w[:, 2 * D:] = src[:, :D], src[:, D:]
-        out.inputs[k - 1].weight.copy_(w)
-        out.blocks[k - 1].load_state_dict(hydra.blocks[k - 2].state_dict())
-    return out.eval()

@@ -20,12 +20,11 @@ than MTP's modules or EAGLE's layer, and there is no state to roll back: each st
 newest target state (`hidden_layers = (-1,)`, h at the token before the pending one).
 
 Reduced draft vocabulary (as the other heads): H_i keeps the rows `token_map` (target ids of the
-Vd most frequent tokens); q is 0 outside it, which keeps speculative sampling lossless. Ours, not
-the paper's: `target_embedding=True` uses the target's input embedding (frozen, shared by every
+Vd most frequent tokens); q is 0 outside it, which keeps speculative sampling lossless. Not in the
+paper: `target_embedding=True` uses the target's input embedding (frozen, shared by every
 stage, never saved: needs d = emb_dim) for E_i, so a trained file holds only P, LN and H.
-Checkpoints in the published format (vLLM's MLPSpeculatorConfig fields: vocab_size, emb_dim,
-inner_dim, n_predict, tie_weights, scale_input; tensors emb.i / proj.i / head.i / ln.i, an optional
-`speculator.` prefix) load with `load_published_mlp_speculator`. Training on the frozen target:
+Checkpoints in the published format (vLLM's MLPSpeculatorConfig) load with
+`published.load_published_mlp_speculator`. Training on the frozen target:
 training/mlp_speculator.py. Left out: the candidate trees of top_k_tokens_per_head / n_candidates
 (vLLM leaves them unused too), the paper's two-stage schedule (the data is training's business).
 """
@@ -33,19 +32,15 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 
 from .checks import normalise_ints
-from .costs import device_sync
 from .draft_model import to_target_vocab
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
-from .target import Target
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
 FORMAT = "specref-mlp-speculator-1"
@@ -238,41 +233,6 @@ class MLPSpeculatorProposer:
         self._store(ctx)  # nothing to roll back: the next step starts from the newest target state
 
 
-@torch.no_grad()
-def measure_speculator_cost(target, speculator: MLPSpeculator, k: Optional[int] = None, reps: int = 31,
-                            cache_len: int = 200) -> dict:
-    """Median seconds of a k-token chain (one row, stages 1..k with argmax) and of a 1-token target
-    forward on a `cache_len` cache, timed alternately in each repetition (a loaded machine slows both
-    alike); c = the chain's seconds per drafted token over the target forward's."""
-    k = speculator.n_predict if k is None else k
-    tgt = target if isinstance(target, Target) else Target(target)
-    cache = tgt.new_cache(1, cache_len + 2)
-    g = torch.Generator().manual_seed(0)
-    hi = min(1000, tgt.vocab_size)
-    tgt.prefill(cache, torch.randint(0, hi, (1, cache_len), generator=g).to(tgt.device),
-                torch.tensor([cache_len], device=tgt.device), logits=False)
-    w = speculator.proj[0].weight
-    h = torch.randn(1, speculator.emb_dim, device=w.device, dtype=w.dtype)  # (1, D)
-    x0 = torch.zeros(1, dtype=torch.long, device=w.device)  # (1,)
-    t_target, t_chain = [], []
-    for _ in range(reps + 2):
-        blk = torch.randint(0, hi, (1, 1), generator=g).to(tgt.device)  # (1, 1)
-        device_sync(tgt.device)
-        t0 = time.perf_counter()
-        tgt.verify_chain(cache, blk)  # written at the same slot every time: never committed
-        device_sync(tgt.device)
-        t1 = time.perf_counter()
-        s, x = speculator.start(h), x0
-        for j in range(k):
-            s = speculator.stage(j, s, x)  # (1, d)
-            x = speculator.token_map[speculator.logits(j, s).argmax(-1)]  # (1,)
-        device_sync(w.device)
-        t_target.append(t1 - t0)
-        t_chain.append(time.perf_counter() - t1)
-    med = lambda v: sorted(v[2:])[reps // 2]  # noqa: E731
-    return {"t_target": med(t_target), "t_chain": med(t_chain), "k": k, "c": med(t_chain) / k / med(t_target)}
-
-
 # ----------------------------------------------------------------------------- weights
 
 
@@ -298,64 +258,4 @@ def load_mlp_speculator(target: torch.nn.Module, path=WEIGHTS) -> MLPSpeculator:
     warn_if_other_target(path, meta, target)
     spec = MLPSpeculator(target, token_map=load_token_map(path), **meta["arch"])
     load_tensors(path, dict(spec.trainable()), "MLP speculator")
-    return spec.eval()
-
-
-CONFIG_FIELDS = ("vocab_size", "emb_dim", "inner_dim", "n_predict", "tie_weights", "scale_input")
-
-
-def _published(src) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    """(config dict, tensors without the `speculator.` prefix) of a folder (config.json and
-    *.safetensors) or of a (config, state dict) pair."""
-    if isinstance(src, tuple) and len(src) == 2 and isinstance(src[0], dict) and isinstance(src[1], dict):
-        config, sd = src
-    else:
-        from safetensors.torch import load_file
-
-        p = Path(src)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
-        if not (p / "config.json").is_file() or not files:
-            raise ValueError(f"{src} is not a folder with config.json and *.safetensors, nor a (config, state "
-                             "dict) pair")
-        config = json.loads((p / "config.json").read_text())
-        sd = {}
-        for f in files:
-            sd.update(load_file(str(f)))
-    return config, {(n[len("speculator."):] if n.startswith("speculator.") else n): t for n, t in sd.items()}
-
-
-def load_published_mlp_speculator(target: torch.nn.Module, src: Union[str, Path, tuple], *,
-                                  token_map: Optional[torch.Tensor] = None) -> MLPSpeculator:
-    """An MLPSpeculator from a checkpoint in the published format (IBM's speculators as vLLM reads
-    them): a folder with config.json (MLPSpeculatorConfig's fields; top_k_tokens_per_head and
-    n_candidates are read by no one) and safetensors, or a (config dict, state dict) pair.
-    vocab_size and emb_dim must be the target's; tied stages may repeat their tensors under every
-    index (the first is used). token_map: a reduced draft vocabulary (the rows of each head kept).
-    ValueError names a missing, misshaped or unexpected tensor."""
-    config, sd = _published(src)
-    V, D = target.get_output_embeddings().weight.shape
-    for name, want in (("vocab_size", V), ("emb_dim", D)):
-        if int(config.get(name, -1)) != want:
-            raise ValueError(f"config {name} = {config.get(name)!r}, the target's is {want}")
-    spec = MLPSpeculator(target, int(config.get("n_predict", 3)), int(config.get("inner_dim", 0)),
-                         tie_weights=bool(config.get("tie_weights", False)),
-                         scale_input=bool(config.get("scale_input", False)), token_map=token_map)
-    want = dict(spec.named_parameters())
-    allowed = {f"{m}.{i}.weight" for m in ("emb", "proj", "head", "ln") for i in range(spec.n_predict)} | \
-        {f"ln.{i}.bias" for i in range(spec.n_predict)}  # tied: indices past the first are copies, unused
-    extra = sorted(set(sd) - allowed)
-    if extra:
-        raise ValueError(f"unexpected tensor {extra[0]!r} for an MLP speculator with n_predict = {spec.n_predict}")
-    with torch.no_grad():
-        for name, ref in want.items():
-            if name not in sd:
-                raise ValueError(f"the checkpoint lacks the MLP speculator tensor {name!r}")
-            t = sd[name]
-            if name.startswith("head."):
-                if tuple(t.shape) != (V, spec.inner_dim):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {(V, spec.inner_dim)}")
-                t = t[spec.token_map.to(t.device)]  # (Vd, d) the draft vocabulary's rows
-            if tuple(t.shape) != tuple(ref.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}")
-            ref.copy_(t.to(device=ref.device, dtype=ref.dtype))
     return spec.eval()

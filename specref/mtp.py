@@ -11,7 +11,7 @@ of token t_{i+k}, and predicts t_{i+k+1}:
 The concatenation order [emb; h] is the one of the released weights as vLLM's deepseek_mtp reads
 them (the report's equation writes the two the other way round). The embedding and the output
 head are the target's, shared and frozen here; the block starts as a copy of the target's last
-decoder layer (our choice, as EagleHead's). Here h^0 is the target's final normed state (what its
+decoder layer (not the report's; as EagleHead's). Here h^0 is the target's final normed state (what its
 LM head reads: `hidden_layers = (-1,)`, as vLLM passes it); h^k is the block's output before the
 module's own `shared_head.norm`. An optional reduced draft vocabulary (`token_map` to target ids)
 restricts the head's rows; q is 0 outside it, which keeps speculative sampling lossless.
@@ -36,32 +36,29 @@ only option for a model that ships none); CE only, no feature regression; no bia
 projection. The same: the input pair (feature, next token's embedding) and norms, the projection
 2D -> D, one decoder layer, the shared frozen LM head, the cache dance (true catch-up, speculative
 slots dropped), and D = 1 reused past depth 1 is EAGLE-1's chain.
-`current_token` (our option, EagleHead's for EAGLE-1): module k also reads the token t_{i+k-1} before
+`current_token` (not in the report; EagleHead's for EAGLE-1): module k also reads the token t_{i+k-1} before
 the one it embeds (for k = 1 the token the main model read at i, whose state h^0_i is), a third
 projection input with its columns zero at initialisation, so modules continued from a two-input file
 start as those modules:
 
     h'^k_i = M_k [RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k-1}))]   (cnorm; 3D -> D)
 
-Module 1 and a one-layer EAGLE-1 head read the same inputs for the same label, so `mtp_from_eagle`
-starts modules as a trained head (a warm start for training; our addition).
+Module 1 and a one-layer EAGLE-1 head read the same inputs for the same label, so
+`training.mtp_from_eagle` starts modules as a trained head (a warm start for training).
+Checkpoints that ship MTP layers in the DeepSeek-V3 layout load with `published.load_native_mtp`.
 Left out: the main model's own next-token loss (the target is frozen), vLLM's zeroed embedding at
-position 0, trees over the MTP drafts, adaptive draft lengths. `load_native_mtp` reads the
-DeepSeek-V3 layout but has only run on tiny random checkpoints written in it, not on a real model.
+position 0, trees over the MTP drafts, adaptive draft lengths.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 
-from .backends.cpu_linear import PackedLinears, packing_available
+from .backends.cpu_linear import pack_on_cpu, packed
 from .checks import normalise_ints
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
@@ -75,7 +72,7 @@ FORMAT = "specref-mtp-1"
 WEIGHTS = FOLDER / "smollm2_135m_mtp.safetensors.xz"
 
 
-def _count(value, name: str) -> int:
+def positive_int(value, name: str) -> int:
     """An int >= 1 from an int, a numpy integer or a 0-d integer tensor; else ValueError naming it."""
     try:
         n = operator.index(value)
@@ -132,7 +129,7 @@ class MTPStack(torch.nn.Module):
         token_map = torch.arange(V) if token_map is None else torch.as_tensor(token_map, dtype=torch.long)
         if token_map.dim() != 1 or token_map.numel() < 2 or int(token_map.min()) < 0 or int(token_map.max()) >= V:
             raise ValueError(f"token_map must be a 1-D tensor of >= 2 target ids in [0, {V})")
-        self.vocab_size, self.hidden_size, self.num_modules = int(V), int(D), _count(num_modules, "num_modules")
+        self.vocab_size, self.hidden_size, self.num_modules = int(V), int(D), positive_int(num_modules, "num_modules")
         self.current_token = current_token
         self.layers = torch.nn.ModuleList(MTPModule(inner, seed + d, current_token) for d in range(self.num_modules))
         self.lm_head = torch.nn.Linear(D, token_map.numel(), bias=False).to(device=head.device, dtype=head.dtype)
@@ -203,8 +200,7 @@ class MTPProposer:
         self.D = min(n, config.k)  # modules in use (deeper ones would never draft)
         self.vocab_size = stack.vocab_size
         self.caches: List[SpecCache] = []
-        dev = stack.lm_head.weight.device
-        self.packed = PackedLinears.of(stack) if dev.type == "cpu" and packing_available() else None
+        self.packed = pack_on_cpu(stack, stack.lm_head.weight.device)  # CPU: oneDNN-packed linears
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         B, T = ctx.tokens.shape
@@ -248,7 +244,7 @@ class MTPProposer:
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         if not self.caches:
             raise ValueError("MTPProposer.propose() called before begin()")
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+        with packed(self.packed):
             return self._propose(ctx, sampling, generator)
 
     def _catch_up(self, d: int, ctx: Context, spec_h: Optional[torch.Tensor] = None,
@@ -354,112 +350,4 @@ def load_mtp(target: torch.nn.Module, path=WEIGHTS, current_token: Optional[bool
         for d, m in enumerate(stack.layers):
             expected[f"layers.{d}.eh_proj.weight"] = m.eh_proj.weight.detach()[:, : 2 * stack.hidden_size]
     load_tensors(path, expected, "MTP modules")
-    return stack.eval()
-
-
-def mtp_from_eagle(target: torch.nn.Module, head: torch.nn.Module, num_modules: int = 1) -> MTPStack:
-    """MTP modules that start as a one-layer EAGLE-1 head (eagle_head.EagleHead, current_token or
-    not) of `target`, its draft vocabulary kept. Module 1 and the head read the same inputs (the
-    target's final normed state at i, the embedding of t_{i+1}, and, with current_token, of t_i) and
-    predict the same token, so module 1 is the head: norms, projection, decoder layer and output norm
-    copied; the head's FC bias is dropped (MTP's projection has none; measured in docs/training.md).
-    Modules 2..D start as the head too, as EAGLE reuses it at every depth, with hnorm set to read
-    module d-1's pre-norm output h as the head reads its own normed output f^ = norm(h):
-    w_hnorm = w_norm_f * w_norm / rms(w_norm), exact when h's normalised entries are independent of
-    w_norm. Our addition: a warm start for training (`--init` with a head file), not DeepSeek-V3's."""
-    from .eagle_head import EagleHead
-
-    if type(head) is not EagleHead:
-        raise ValueError(f"head must be an EAGLE-1 EagleHead, got {type(head).__name__}")
-    if head.num_layers != 1:
-        raise ValueError(f"MTP modules hold one decoder layer; the head has {head.num_layers}")
-    stack = MTPStack(target, head.token_map, num_modules=num_modules, current_token=head.current_token)
-    if stack.hidden_size != head.hidden_size:
-        raise ValueError(f"the head's width {head.hidden_size} is not the target's {stack.hidden_size}")
-    w = head.norm.weight.detach()  # (D,)
-    with torch.no_grad():
-        for d, m in enumerate(stack.layers):
-            m.enorm.weight.copy_(head.norm_e.weight)
-            m.hnorm.weight.copy_(head.norm_f.weight if d == 0 else head.norm_f.weight * w / w.pow(2).mean().sqrt())
-            if head.current_token:
-                m.cnorm.weight.copy_(head.norm_c.weight)
-            m.eh_proj.weight.copy_(head.fc.weight)
-            m.block.load_state_dict(head.layer.state_dict())
-            m.norm.weight.copy_(w)
-    return stack.eval()
-
-
-def _native_tensors(src, first_layer: int) -> Dict[int, Dict[str, torch.Tensor]]:
-    """{layer index >= first_layer: {name inside the layer: tensor}} of the tensors named
-    model.layers.<i>.* in a state dict, a .safetensors file or a folder of them (read once)."""
-    def wanted(name: str):
-        parts = name.split(".", 3)
-        ok = (len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
-              and int(parts[2]) >= first_layer)
-        return (int(parts[2]), parts[3]) if ok and "rotary_emb" not in parts[3] else None
-
-    out: Dict[int, Dict[str, torch.Tensor]] = {}
-    if isinstance(src, dict):
-        items = src.items()
-    else:
-        from safetensors import safe_open
-
-        p = Path(src)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-        if not files or not files[0].is_file():
-            raise ValueError(f"{src} is neither a state dict, a .safetensors file nor a folder holding some")
-        items = []
-        for f in files:
-            with safe_open(str(f), framework="pt") as s:
-                items += [(n, s.get_tensor(n)) for n in s.keys() if wanted(n)]
-    for name, t in items:
-        w = wanted(name)
-        if w is not None:
-            out.setdefault(w[0], {})[w[1]] = t
-    return out
-
-
-def load_native_mtp(target: torch.nn.Module, state_dict_or_path: Union[dict, str, Path], *,
-                    num_modules: Optional[int] = None, token_map: Optional[torch.Tensor] = None) -> MTPStack:
-    """An MTPStack from a checkpoint that ships MTP layers in the DeepSeek-V3 layout: layer
-    num_hidden_layers + j is module j, with `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
-    `shared_head.head` and the block's tensors under their decoder-layer names (`embed_tokens`
-    optional). Embedding and head stay the target's (shared; a warning if the file's differ); the block
-    must have the structure of the target's last layer. ValueError names a missing or misshaped tensor.
-    num_modules: the first n MTP layers (None: all found); token_map: a reduced draft vocabulary."""
-    n_layers = int(target.config.num_hidden_layers)
-    layers = _native_tensors(state_dict_or_path, n_layers)
-    found = 0
-    while n_layers + found in layers:
-        found += 1
-    if not found:
-        raise ValueError(f"no MTP layer in the checkpoint: expected tensors named model.layers.{n_layers}.* "
-                         f"(the layer after the target's {n_layers} decoder layers)")
-    n = found if num_modules is None else _count(num_modules, "num_modules")
-    if n > found:
-        raise ValueError(f"num_modules = {n}, but the checkpoint has {found} MTP layer(s)")
-    stack = MTPStack(target, token_map, num_modules=n)
-    shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
-              "shared_head.head.weight": target.get_output_embeddings().weight}
-    for j, m in enumerate(stack.layers):
-        pre, got = f"model.layers.{n_layers + j}.", layers[n_layers + j]
-        want = {"enorm.weight": m.enorm.weight, "hnorm.weight": m.hnorm.weight, "eh_proj.weight": m.eh_proj.weight,
-                "shared_head.norm.weight": m.norm.weight, **m.block.state_dict(keep_vars=True)}
-        extra = sorted(set(got) - set(want) - set(shared))
-        if extra:
-            raise ValueError(f"unexpected MTP tensor {pre + extra[0]!r}: the MTP block must have the structure "
-                             "of the target's last decoder layer")
-        for name in sorted(want) + ["shared_head.head.weight"]:
-            if name not in got:
-                raise ValueError(f"the checkpoint lacks the MTP tensor {pre + name!r}")
-        for name, ref in {**want, **shared}.items():
-            if name in got and tuple(got[name].shape) != tuple(ref.shape):
-                raise ValueError(f"MTP tensor {pre + name!r} has shape {tuple(got[name].shape)}, "
-                                 f"expected {tuple(ref.shape)}")
-        with torch.no_grad():
-            for name, ref in want.items():
-                ref.copy_(got[name].to(device=ref.device, dtype=ref.dtype))
-        for name, ref in shared.items():
-            if name in got and not torch.allclose(got[name].to(ref), ref.detach(), atol=1e-3, rtol=1e-3):
-                warnings.warn(f"{pre + name} differs from the target's; MTP shares the target's, which is used")
     return stack.eval()

@@ -1,8 +1,8 @@
 """Before the loop: one call of speculative_generate read, checked and allocated.
 
 `prepare()` turns what the caller passed into a `Run` (what generate.py's loop works on) and a
-`Hooks` (the call's extras, hooks.py), in this order, every check before any allocation or
-forward: transformers' conventions read once (hf_generation.resolve: GenerationConfig, generate-
+`Hooks` (the call's extras, hf/hooks.py), in this order, every check before any allocation or
+forward: transformers' conventions read once (hf/generation.resolve: GenerationConfig, generate-
 style keyword arguments, the model's own config), the proposer's contract (checks.py: k, the
 shared vocabulary, hidden_layers, acceptance_rule), the prompts (left- or right-padded with an
 attention mask, or a list of ints), the generators or seed, the token budget against the model's
@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from . import checks
-from . import hf_generation
-from .hooks import Hooks
+from .hf import generation as hf_generation
+from .hf.hooks import Hooks
 from .proposer import Context
 from .sampling import Generators, SamplingConfig, make_generators
 from .target import Target

@@ -1,6 +1,6 @@
 """Every method of the library by name: one place that turns "eagle" into a ready proposer.
 
-The bench (bench/methods.py), the picker (picker.py) and `python -m specref generate --method NAME`
+The bench (bench/methods.py), the picker (picker/) and `python -m specref generate --method NAME`
 all build their proposers here, so that a method means the same configuration everywhere: the
 adaptive rules get this machine's measured costs (costs.measure_verify_cost, the heads' measured
 cost), k comes from the closed form (theory.optimal_k) on the trained proposer's held-out alpha, and
@@ -118,7 +118,7 @@ class Registry:
 
     def verify_costs(self) -> dict:
         """costs.measure_verify_cost of this target for W = 1..11 (ratios v(W), fitted c and c0)."""
-        from .costs import measure_verify_cost
+        from .picker.costs import measure_verify_cost
 
         return self._once("verify", lambda: measure_verify_cost(self.target, 10, reps=self.cost_reps))
 
@@ -147,7 +147,7 @@ class Registry:
 
     def _draft_k(self, draft, alpha) -> int:
         """k from the closed form (theory.optimal_k) with the draft's held-out alpha and measured c."""
-        from .costs import measure_cost
+        from .picker.costs import measure_cost
         from .theory import optimal_k
 
         if alpha is None:
@@ -160,8 +160,9 @@ class Registry:
         same closed form on the row's measured acceptance, with this machine's costs (a head step
         plus one more verified token, c0)."""
         def make():
-            from .costs import fit_verify_cost
-            from .eagle_head import EagleConfig, measure_head_cost
+            from .picker.costs import fit_verify_cost
+            from .eagle_head import EagleConfig
+            from .picker.costs import measure_head_cost
             from .theory import optimal_k
 
             if version == 3:
@@ -191,7 +192,7 @@ class Registry:
         kept only if its path's head probability covers the marginal cost of verifying one more
         token (c of the fitted v(W), W <= 5, the widths the tree uses)."""
         def make():
-            from .costs import fit_verify_cost
+            from .picker.costs import fit_verify_cost
             from .eagle_tree import Eagle2Config
 
             n = Eagle2Config().total_tokens

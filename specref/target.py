@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from .backends.cpu_linear import PackedLinears, packing_available, tensor_version
-from .compat import cache_keyword, check_transformers
+from .hf.compat import cache_keyword, check_transformers
 from .kv_rollback import SpecCache
 
 
@@ -60,6 +60,12 @@ class TargetConfig:
 class BlockOutput:
     logits: torch.Tensor  # (B, Q, V) float32
     hidden: Optional[torch.Tensor] = None  # (B, Q, len(hidden_layers) * D) or None
+
+
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock measures it; no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_causal_lm(model: torch.nn.Module, name: str = "model") -> None:

@@ -199,7 +199,7 @@ def test_processors_greedy_parity_with_transformers(default):
         out = model.generate(input_ids=r, attention_mask=torch.ones_like(r), max_new_tokens=n, do_sample=False,
                              pad_token_id=tok.pad_token_id, **procs)[0, r.shape[1]:].tolist()
         want.append(out[: out.index(eos) + 1] if eos in out else out)
-    props = {"ngram": lambda: NgramProposer(NgramConfig(k=4)),  # a draft model: tests/test_processors.py
+    props = {"ngram": lambda: NgramProposer(NgramConfig(k=4)),  # a draft model: tests/hf/test_processors.py
              "eagle": lambda: EagleProposer(load_eagle(model), EagleConfig(k=3)),
              "medusa": lambda: MedusaProposer(load_medusa(model))}
     for name, make in props.items():

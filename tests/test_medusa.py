@@ -12,8 +12,9 @@ from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.eagle_head import EagleHead
-from specref.medusa_heads import (MedusaConfig, MedusaHeads, MedusaProposer, hydra_from_medusa, hydra_on_eagle, load_medusa,
-                                  measure_heads_cost, save_medusa)
+from specref.medusa_heads import MedusaConfig, MedusaHeads, MedusaProposer, load_medusa, save_medusa
+from specref.picker.costs import measure_heads_cost
+from specref.training import deepen, hydra_from_medusa, hydra_on_eagle
 from specref.medusa_tree import (DEFAULT_CHOICES, best_tree, check_choices, expected_accepted, greedy_tree,
                                  tree_arrays)
 from specref.models import tiny_model
@@ -281,10 +282,10 @@ def test_hydra_starts_as_medusa_and_learns_from_the_tokens(trained, hydra):
     toks = torch.randint(0, V, (7, 3))
     start = hydra_from_medusa(target, heads)
     assert torch.allclose(start(h, tokens=toks), heads(h), atol=1e-6)
-    assert torch.equal(start.deepen(3)(h, tokens=toks), start(h, tokens=toks)) and start.num_layers == 3  # identity
+    assert torch.equal(deepen(start, 3)(h, tokens=toks), start(h, tokens=toks)) and start.num_layers == 3  # identity
     assert len(start.blocks[0]) == 3 and len(dict(start.trainable())) > len(dict(seq.trainable()))
     with pytest.raises(ValueError, match="num_layers must be an int >= the heads' 3"):
-        start.deepen(2)
+        deepen(start, 2)
     a0, a1 = rank_accuracies(hist[0], 3, 4), rank_accuracies(hist[-1], 3, 4)
     assert np.allclose(a0, rank_accuracies(trained[2][-1], 3, 4))  # its first evaluation is Medusa's last
     assert (a1[:, 0] > a0[:, 0] + 0.02).all(), (a0, a1)

@@ -15,7 +15,8 @@ from _stats import power_rows
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.mlp_speculator import (MLPSpeculator, MLPSpeculatorConfig, MLPSpeculatorProposer, load_mlp_speculator,
-                                    load_published_mlp_speculator, mlp_speculator_info)
+                                    mlp_speculator_info)
+from specref.published import load_published_mlp_speculator
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Context
 from specref.sampling import SamplingConfig
@@ -369,7 +370,7 @@ def test_bad_config(trained):
     with pytest.raises(ValueError, match=r"train\[0\] has no features"):
         run_mlp_speculator_training(target, [Seq(torch.arange(6), 3)], [], TrainConfig(steps=1),
                                     MLPSpeculatorTrainConfig(), "unused")
-    from specref.mlp_speculator import measure_speculator_cost
+    from specref.picker.costs import measure_speculator_cost
 
     cost = measure_speculator_cost(target, spec, k=2, reps=3)  # the chain's c per drafted token
     assert cost["k"] == 2 and cost["c"] == pytest.approx(cost["t_chain"] / 2 / cost["t_target"])

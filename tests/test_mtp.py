@@ -13,7 +13,8 @@ from _features import feature_data, feature_target
 from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
-from specref.mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, load_native_mtp, mtp_info
+from specref.mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, mtp_info
+from specref.published import load_native_mtp
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Context
 from specref.sampling import SamplingConfig
@@ -203,7 +204,7 @@ def test_modules_from_an_eagle_head(trained, tmp_path, current):
     FC bias, which MTP's projection lacks, is zero); every module starts as the head; training
     starts from a head's file given as --init; a two-layer head or another kind is refused."""
     from specref.eagle_head import EagleHead, save_eagle
-    from specref.mtp import mtp_from_eagle
+    from specref.training import mtp_from_eagle
 
     target, stack, _, _ = trained
     head = EagleHead(target, stack.token_map, seed=4, current_token=current).eval()

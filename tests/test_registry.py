@@ -60,7 +60,7 @@ def test_custom_model_needs_named_weights(model, tmp_path):
 
 
 def test_fit_verify_cost():
-    from specref.costs import fit_verify_cost
+    from specref.picker.costs import fit_verify_cost
 
     ratios = [1.0] + [1.0 + 0.2 + 0.05 * (w - 1) for w in range(2, 12)]  # c0 0.2, c 0.05
     fit = fit_verify_cost(ratios)

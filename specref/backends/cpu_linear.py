@@ -28,7 +28,7 @@ bf16 weights are packed too where the CPU supports oneDNN's bf16 path (`packable
 AMD EPYC (Zen 4, AVX-512 BF16, 2 threads) a packed bf16 linear cost 33/37 us for 1/4 rows of 576 x
 1536 against 55/58 us packed fp32 and 66/80 us bf16 `F.linear`, and the LM head 1.8 ms against 5.0
 ms (fp32 packed). fp16 only where oneDNN has an fp16 path (AVX-512 FP16, AVX-NE-CONVERT). Used by
-target.py on CPU (TargetConfig.pack_linears). Left out: training (with autograd enabled a layer
+target.py on CPU (TargetConfig.pack_linears) and by the learned proposers (`pack_on_cpu`, `packed`). Left out: training (with autograd enabled a layer
 falls back to F.linear), GPUs (not needed).
 """
 from __future__ import annotations
@@ -179,3 +179,13 @@ class PackedLinears:
                         _ACTIVE[m] = n
                     else:
                         m.__dict__.pop("forward", None)
+
+
+def pack_on_cpu(module: nn.Module, device: torch.device) -> "PackedLinears | None":
+    """A proposer's linears packed once when it runs on a CPU with oneDNN; None elsewhere."""
+    return PackedLinears.of(module) if device.type == "cpu" and packing_available() else None
+
+
+def packed(p: "PackedLinears | None"):
+    """`with packed(p):` p's packed kernels active (p.active()), or nothing when p is None."""
+    return p.active() if p is not None else contextlib.nullcontext()

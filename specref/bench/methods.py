@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..costs import device_sync
+from ..target import device_sync
 from ..target import Target
 
 ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",

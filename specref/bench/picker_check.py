@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-from ..calibrate import Calibration
-from ..picker import choose, predict
+from ..picker import Calibration, choose, predict
 
 GROUPS = {  # Spec-Bench's task groups (Xia et al. 2024): MT-Bench's eight categories, then one each
     "multi-turn conversation": ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -121,7 +120,7 @@ def recompare(folder) -> dict:
     import json
     from pathlib import Path
 
-    from ..calibrate import PickerConfig
+    from ..picker import PickerConfig
 
     folder = Path(folder)
     bench = json.loads((folder / "bench.json").read_text())

@@ -13,3 +13,6 @@
 
 Method modules never import from here: they load their trained files through specref.weights.
 """
+from .warm_start import deepen, hydra_from_medusa, hydra_on_eagle, mtp_from_eagle, untie_lm_heads
+
+__all__ = ["deepen", "hydra_from_medusa", "hydra_on_eagle", "mtp_from_eagle", "untie_lm_heads"]

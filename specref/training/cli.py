@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from ..medusa_heads import PREFIX_KINDS
+from ..medusa_prefix import PREFIX_KINDS
 from .data import DistillConfig
 from .draft import DraftTrainConfig, run_training
 from .eagle import EagleTrainConfig, run_eagle_training

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from ..bench.runner import load_questions
-from ..costs import measure_cost
+from ..picker.costs import measure_cost
 from ..draft_model import DraftModelConfig, DraftModelProposer
 from ..generate import autoregressive_generate, speculative_generate
 from ..target import Target

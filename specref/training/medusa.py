@@ -30,16 +30,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..costs import measure_verify_cost
+from ..picker.costs import measure_heads_cost, measure_verify_cost
 from ..eagle_head import load_eagle
-from ..medusa_heads import (PREFIX_KINDS, MedusaHeads, hydra_from_medusa, hydra_on_eagle, load_medusa,
-                            measure_heads_cost, save_medusa)
+from ..medusa_heads import MedusaHeads, load_medusa, save_medusa
+from ..medusa_prefix import PREFIX_KINDS
 from ..target import additive_mask
 from ..medusa_tree import best_tree
 from ..weights import fingerprint
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, as_sequence, fit, train_record
+from .warm_start import deepen, hydra_from_medusa, hydra_on_eagle, untie_lm_heads
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
     machine from the held-out accuracies and the measured costs, save to out_path. -> record.
     init: a file (save_medusa's) to continue from, its heads and draft vocabulary kept.
     prefix_from: an EAGLE-1 head's file (save_eagle's) that Hydra heads from `init` get as their
-    "eagle" prefix (medusa_heads.hydra_on_eagle: cfg.num_heads heads, at most one more than the
+    "eagle" prefix (warm_start.hydra_on_eagle: cfg.num_heads heads, at most one more than the
     file's; the EAGLE head's draft vocabulary)."""
     V = target.get_output_embeddings().weight.shape[0]
     if prefix_from is not None and (init is None or cfg.prefix != "eagle" or not cfg.sequential):
@@ -190,9 +191,9 @@ def run_medusa_training(target: torch.nn.Module, train: Sequence[Seq], heldout: 
             data_record["init_from"] = "medusa"
         if cfg.num_layers > heads.num_layers:  # identity ResBlocks appended: the file's logits at the start
             data_record["init_layers"] = heads.num_layers
-            heads.deepen(cfg.num_layers)
+            deepen(heads, cfg.num_layers)
         if cfg.own_lm_head and not heads.own_lm_head:  # each head's LM head a trainable copy of the shared one
-            heads.untie_lm_heads()
+            untie_lm_heads(heads)
             data_record["lm_heads_untied"] = True
         if cfg.prefix is not None and heads.prefix is None:  # a prefix layer that starts as the identity
             heads.add_prefix(target, cfg.prefix)

@@ -37,12 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from ..eagle_head import FORMAT as EAGLE_FORMAT, load_eagle
-from ..mtp import MTPStack, load_mtp, mtp_from_eagle, save_mtp
+from ..mtp import MTPStack, load_mtp, save_mtp
 from ..target import additive_mask
 from ..weights import copy_weights, fingerprint, read_weights
 from .data import Batch, Seq
 from .draft import build_token_map, inverse_map
 from .loop import TrainConfig, TrainResult, distilled_run, fit, is_main_process, split_heldout, train_record
+from .warm_start import mtp_from_eagle
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def run_mtp_training(target: torch.nn.Module, train_seqs: Sequence[Seq], heldout
     normed states, (L, D)) and stored top-k; write them to out_path (safetensors, through
     specref.weights: the target's fingerprint, a record with the settings and held-out numbers).
     init: a file (save_mtp's) to continue from, its modules and draft vocabulary kept, or an
-    EAGLE-1 head's file (save_eagle's) whose head every module starts as (mtp.mtp_from_eagle).
+    EAGLE-1 head's file (save_eagle's) whose head every module starts as (warm_start.mtp_from_eagle).
     -> (the trained stack, fit's result)."""
     for name, seqs in (("train_seqs", train_seqs), ("heldout_seqs", heldout_seqs)):
         bad = [i for i, s in enumerate(seqs) if s.features is None or s.topk_ids is None]

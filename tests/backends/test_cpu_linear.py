@@ -1,11 +1,11 @@
-"""Tests of the pre-packed CPU linears (specref/backends/cpu_linear.py) and of the verify-cost fit (specref/costs.py)."""
+"""Tests of the pre-packed CPU linears (specref/backends/cpu_linear.py) and of the verify-cost fit (specref/picker/costs.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from specref.backends.cpu_linear import PackedLinears, packable_dtypes, packing_available
-from specref.costs import measure_verify_cost
+from specref.picker.costs import measure_verify_cost
 from specref.generate import autoregressive_generate
 from specref.models import tiny_model
 from specref.target import Target, TargetConfig

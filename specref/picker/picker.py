@@ -7,7 +7,7 @@ a fraction f of the steps (prompt lookup: where the context repeats), and the pr
 the proposer's own setup are paid once per request, so few new tokens cannot repay them. The picker
 MEASURES each term on a sample of the user's prompts and combines them by the closed form:
 
-calibration (calibrate.py): on the user's prompts, greedy: one real answer per prompt and every
+calibration (calibration.py): on the user's prompts, greedy: one real answer per prompt and every
 method replayed on it (its real loop against a stand-in target: acceptance over the whole answer
 at the cost of the proposer alone, the verify forwards priced by the measured curve v(W)); T > 0
 or batch > 1: every method run for real on consecutive windows of one generation. Measured per
@@ -43,8 +43,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .calibrate import Calibration, PickerConfig, calibrate
-from .registry import Registry
+from ..registry import Registry
+from .calibration import Calibration, PickerConfig, calibrate
 
 __all__ = ["PickerConfig", "Calibration", "calibrate", "predict", "choose", "recommend", "Recommendation",
            "prediction_table", "expected_tokens", "acceptance"]

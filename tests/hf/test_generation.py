@@ -1,4 +1,4 @@
-"""hf_generation.py: transformers' conventions (GenerationConfig in, sequences out, stop strings, streamers, errors)."""
+"""hf/generation.py: transformers' conventions (GenerationConfig in, sequences out, stop strings, streamers, errors)."""
 import copy
 
 import pytest

@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from . import checks, processors
+from .. import checks
+from . import processors
 
 
 class _Unset:

@@ -21,7 +21,7 @@ own Jacobi window, so it runs for real (calib_tokens // 3 new tokens).
 
 T > 0 or batch > 1 (`_windows_all`): every method runs for real, each on the next `calib_tokens`
 tokens of one generation (windows in an order rotated per batch, so every method is measured
-early and late in the answers), all from ONE prefill per prompt (`_SharedPrefill` copies the
+early and late in the answers), all from ONE prefill per prompt (`SharedPrefill` copies the
 saved cache and prefills only the new tokens).
 
 Per (prompt, method) record: steps, drafts, drafted / accepted per position, the proposer's setup
@@ -29,8 +29,6 @@ Per (prompt, method) record: steps, drafts, drafted / accepted per position, the
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import random
 import sys
 import time
@@ -39,8 +37,9 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .registry import METHODS, Registry, check_method
-from .target import BlockOutput, Target
+from ..registry import METHODS, Registry, check_method
+from .costs import fit_verify_curve
+from .replay import Capture, Replay, SharedPrefill, Timed, clock_verifies, layer_union
 
 
 @dataclass(frozen=True)
@@ -84,205 +83,6 @@ class PickerConfig:
                 raise ValueError(f"methods must be a non-empty sequence of names, got {self.methods!r}")
             for m in self.methods:
                 check_method(m)
-
-
-# ----------------------------------------------------------------------------- one shared prefill
-
-
-def layer_union(sets) -> Optional[tuple]:
-    """The target layers of several proposers' `hidden_layers`, in first-seen order (None: none)."""
-    out: list = []
-    for layers in sets:
-        out += [x for x in (layers or ()) if x not in out]
-    return tuple(out) or None
-
-
-def select_layers(hidden: Optional[torch.Tensor], have: Optional[tuple], want: Optional[tuple]):
-    """The columns of features (..., len(have) * D) that hold layers `want` (..., len(want) * D)."""
-    if hidden is None or want is None or have is None or tuple(want) == tuple(have):
-        return None if want is None else hidden
-    D = hidden.shape[-1] // len(have)
-    return torch.cat([hidden[..., have.index(x) * D: (have.index(x) + 1) * D] for x in want], dim=-1)
-
-
-class _SharedPrefill:
-    """A Target whose prefill continues from the last prefilled context when the new one extends
-    it row by row: the saved cache is copied and only the new tokens run through the model. The
-    calibration's windows are consecutive pieces of one generation, so each window's prefill costs
-    its own few tokens, not the whole prompt again."""
-
-    def __init__(self, target: Target, hidden_layers: Optional[tuple]):
-        self.target, self.hidden_layers, self.state = target, hidden_layers, None
-
-    def wrap(self) -> Target:
-        t = copy.copy(self.target)
-        t.prefill = self.prefill
-        return t
-
-    def _restore(self, cache) -> torch.Tensor:
-        kv, lengths = self.state["kv"], self.state["lengths"]
-        for layer, saved in zip(cache.layers, kv):
-            if saved is not None:
-                k, v = saved
-                if not layer.is_initialized:
-                    layer.lazy_initialization(k, v)
-                layer.keys[:, :, : k.shape[2]].copy_(k)
-                layer.values[:, :, : v.shape[2]].copy_(v)
-        cache.lengths.copy_(lengths.to(cache.lengths.device))
-        return lengths
-
-    def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
-        want = self.hidden_layers
-        if logits or tokens.shape[1] == 0 or (hidden_layers is not None and (
-                want is None or any(x not in want for x in hidden_layers))):
-            return self.target.prefill(cache, tokens, lengths, logits=logits, hidden_layers=hidden_layers)
-        tok, lens = tokens.cpu(), lengths.cpu()  # (B, T), (B,)
-        B, dev = tok.shape[0], tokens.device
-        st = self.state
-        start = torch.zeros_like(lens)
-        if st is not None and st["tokens"].shape[0] == B and bool((st["lengths"] <= lens).all()) and all(
-                torch.equal(st["tokens"][b, : int(st["lengths"][b])], tok[b, : int(st["lengths"][b])])
-                for b in range(B)):
-            start = self._restore(cache)
-        ext_len = lens - start  # (B,)
-        E = int(ext_len.max())
-        hidden = None
-        if E > 0:
-            ext = torch.zeros(B, E, dtype=torch.long)  # (B, E) right-padded new tokens of each row
-            for b in range(B):
-                ext[b, : int(ext_len[b])] = tok[b, int(start[b]): int(lens[b])]
-            out = self.target.prefill(cache, ext.to(dev), ext_len.to(dev), logits=False, hidden_layers=want)
-            hidden = out.hidden
-        H = None
-        if want is not None:
-            D = hidden.shape[-1] if hidden is not None else st["hidden"].shape[-1]
-            H = torch.zeros(B, tok.shape[1], D, dtype=self.target.dtype, device=dev)  # (B, T, D)
-            for b in range(B):
-                s0, n = int(start[b]), int(ext_len[b])
-                if s0:
-                    H[b, :s0] = st["hidden"][b, :s0]
-                if n:
-                    H[b, s0: s0 + n] = hidden[b, :n]
-        L = int(lens.max())
-        self.state = dict(tokens=tok.clone(), lengths=lens.clone(), hidden=H,
-                          kv=[(layer.keys[:, :, :L].clone(), layer.values[:, :, :L].clone())
-                              if layer.is_initialized else None for layer in cache.layers])
-        V = self.target.vocab_size
-        return BlockOutput(logits=torch.zeros(B, 0, V, device=dev), hidden=select_layers(H, want, hidden_layers))
-
-
-class Replay(Target):
-    """A stand-in target that replays one known greedy generation z (prompt + answer, (T,)) and its
-    recorded features (T-1, D): a verify block's row at position t gets all its mass on z[t+1], the
-    target's own greedy choice there, and the features at t. A method's loop then runs for real
-    (its proposer, the acceptance rule, the rollback, the bookkeeping) while the target's forwards
-    cost nothing; what they would cost comes from the fitted verify-cost curve (fit_verify_curve)
-    at the widths logged in `widths`. Exact for greedy decoding: a row off the trajectory follows a mismatch,
-    which ends the step before its token matters. Not for lookahead (it reads the target's logits
-    on its own window) or T > 0."""
-
-    def __init__(self, target: Target, z: torch.Tensor, feats: Optional[torch.Tensor],
-                 layers: Optional[tuple] = None):
-        self.base, self.z, self.feats = target, z, feats  # (T,), (T - 1, len(layers) * D) or None
-        self.layers = layers  # the target layers feats holds (each proposer gets its own)
-        for name in ("model", "config", "vocab_size", "device", "dtype", "max_positions", "packed"):
-            setattr(self, name, getattr(target, name))
-        self.num_layers = 0  # the cache only counts committed tokens
-        self.widths: List[int] = []
-        self.seconds = 0.0  # the stand-in's own time (taken out of the loop's measured time)
-
-    def session(self):
-        return self.base.session()  # the proposers' heads run as they would with the real target
-
-    def _rows(self, positions: torch.Tensor, hidden_layers) -> BlockOutput:
-        B, Q = positions.shape
-        nxt = self.z[(positions + 1).clamp(max=self.z.shape[0] - 1)]  # (B, Q) the target's choices
-        logits = torch.zeros(B, Q, self.vocab_size, device=self.device)
-        logits.scatter_(2, nxt.unsqueeze(-1), 30.0)
-        hidden = None
-        if hidden_layers is not None and self.feats is not None:
-            hidden = select_layers(self.feats[positions.clamp(max=self.feats.shape[0] - 1)], self.layers,
-                                   hidden_layers)  # (B, Q, D_h)
-        return BlockOutput(logits=logits, hidden=hidden)
-
-    def prefill(self, cache, tokens, lengths, logits=True, hidden_layers=None):
-        t0 = time.perf_counter()
-        B, T = tokens.shape
-        cache.begin_block(T)
-        cache.commit(lengths)
-        hidden = None if hidden_layers is None or self.feats is None else \
-            select_layers(self.feats[:T], self.layers, hidden_layers).unsqueeze(0).expand(B, -1, -1)  # (B, T, D_h)
-        self.seconds += time.perf_counter() - t0
-        return BlockOutput(logits=torch.zeros(B, 0, self.vocab_size, device=self.device), hidden=hidden)
-
-    def verify_chain(self, cache, block, pad_to=None, hidden_layers=None, committed_max=None):
-        t0 = time.perf_counter()
-        Q = block.shape[1]
-        self.widths.append(Q)
-        L = cache.lengths.clone()  # (B,)
-        cache.begin_block(Q, committed_max)
-        out = self._rows(L.view(-1, 1) + torch.arange(Q, device=L.device), hidden_layers)  # (B, Q)
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    def verify_tree(self, cache, block, ancestors, depth, hidden_layers=None, committed_max=None, pad_to=None):
-        t0 = time.perf_counter()
-        Q = block.shape[1]
-        self.widths.append(Q)
-        L = cache.lengths.clone()
-        cache.begin_block(Q, committed_max)
-        out = self._rows(L.view(-1, 1) + depth, hidden_layers)  # (B, Q)
-        self.seconds += time.perf_counter() - t0
-        return out
-
-
-class Capture:
-    """A proposer wrapper that records the target features the loop hands it (ctx.hidden after the
-    prefill and after every step) at their positions: the answer's features for Replay."""
-
-    def __init__(self, proposer, hidden_layers: tuple, length: int, dim: int, dtype, device):
-        self.p, self.feats = proposer, torch.zeros(length, dim * len(hidden_layers), dtype=dtype,
-                                                   device=device)  # (T, len(layers) * D)
-        self.hidden_layers = hidden_layers  # asked for even if the wrapped proposer reads none (or fewer)
-        self.own = getattr(proposer, "hidden_layers", None)  # what the wrapped proposer is handed
-        for name in ("k", "vocab_size", "acceptance_rule"):
-            if hasattr(proposer, name):
-                setattr(self, name, getattr(proposer, name))
-
-    def _store(self, ctx) -> None:
-        if ctx.hidden is None:
-            return
-        n = int(ctx.hidden_len[0])
-        start = int(ctx.lengths[0]) - 1 - n
-        self.feats[start: start + n] = ctx.hidden[0, :n].to(self.feats)
-
-    def _own(self, ctx):
-        return dataclasses.replace(ctx, hidden=select_layers(ctx.hidden, self.hidden_layers, self.own))
-
-    def begin(self, ctx, sampling, generator) -> None:
-        self._store(ctx)
-        self.p.begin(self._own(ctx), sampling, generator)
-
-    def propose(self, ctx, sampling, generator):
-        return self.p.propose(ctx, sampling, generator)
-
-    def update(self, ctx, num_accepted) -> None:
-        self._store(ctx)
-        self.p.update(self._own(ctx), num_accepted)
-
-
-class _Timed:
-    """A proposer whose begin() (its per-request setup) is timed."""
-
-    def __init__(self, proposer):
-        self.proposer, self.begin_s = proposer, 0.0
-        begin = proposer.begin
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            begin(*a, **kw)
-            self.begin_s += time.perf_counter() - t0
-        proposer.begin = timed
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -400,7 +200,7 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
                 raise ValueError(f"method {m!r} cannot run on this model: {e}") from e
     vc = reg.verify_costs()
     v = vc["ratios"]
-    shared = _SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
+    shared = SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
     cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
                       setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts),
                       order=[(i, groups[j]) for j, i in enumerate(order)],
@@ -423,7 +223,7 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
 def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, gen) -> None:
     """T > 0 or batch > 1: every method measured for real, in consecutive windows of calib_tokens
     new tokens of one generation (the order rotated per batch: every method early and late)."""
-    from .generate import autoregressive_generate, speculative_generate
+    from ..generate import autoregressive_generate, speculative_generate
 
     tgt = shared.wrap()
     batches = list(_batches(prompts, groups, config.batch_size))
@@ -459,7 +259,7 @@ def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, g
                 out, begin_s = autoregressive_generate(tgt, ids.to(dev), mask.to(dev), seed=seed, **gen), 0.0
                 k = None
             else:
-                p = _Timed(reg.proposer(m))
+                p = Timed(reg.proposer(m))
                 out = speculative_generate(tgt, p.proposer, ids.to(dev), mask.to(dev), seed=seed, **gen)
                 begin_s, k = p.begin_s, int(getattr(p.proposer, "k", 0))
             s = out.stats
@@ -483,57 +283,6 @@ def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, g
             r.update(mode="real", step_s=_step_seconds(r), t_ar_s=t_ar, t1_s=t1)
 
 
-def _verify_ratio(v: List[float], W: int) -> float:
-    """v(W) from the measured curve (W = 1..len(v)), extended linearly past its end."""
-    if W <= len(v):
-        return v[W - 1]
-    slope = (v[-1] - v[1]) / max(len(v) - 2, 1) if len(v) > 2 else 0.0
-    return v[-1] + slope * (W - len(v))
-
-
-def _clock(tgt, log: list) -> None:
-    """Time every verify forward of `tgt` (a wrapped copy): (block width, seconds) into `log`."""
-    from .costs import device_sync
-
-    for name in ("verify_chain", "verify_tree"):
-        fn = getattr(tgt, name)
-
-        def timed(cache, block, *a, _fn=fn, **kw):
-            device_sync(tgt.device)
-            t0 = time.perf_counter()
-            out = _fn(cache, block, *a, **kw)
-            device_sync(tgt.device)
-            log.append((int(block.shape[1]), time.perf_counter() - t0))
-            return out
-        setattr(tgt, name, timed)
-
-
-def fit_verify_curve(points: Dict[int, List[tuple]], prior: List[float], rounds: int = 5) -> tuple:
-    """Robust fit of seconds = t1_p v(W) to the real verify forwards of every prompt p (points:
-    {p: [(W, seconds), ...]}), v(1) = 1: alternating medians, started from the synthetic curve
-    `prior`. Widths never seen keep the prior's shape, scaled to the fitted widths. Returns
-    ({p: t1_p}, v as a function of W)."""
-    import statistics
-
-    v: Dict[int, float] = {}
-    ratio = lambda W: v.get(W, _verify_ratio(prior, W) * scale)  # noqa: E731
-    scale = 1.0
-    t1 = {}
-    for _ in range(rounds):
-        t1 = {p: statistics.median(s / ratio(W) for W, s in pts) for p, pts in points.items() if pts}
-        byw: Dict[int, List[float]] = {}
-        for p, pts in points.items():
-            for W, s in pts:
-                byw.setdefault(W, []).append(s / t1[p])
-        v = {W: statistics.median(xs) for W, xs in byw.items() if len(xs) >= 5}
-        one = v.get(1, 1.0)
-        v = {W: x / one for W, x in v.items()}
-        t1 = {p: t * one for p, t in t1.items()}
-        seen = [W for W in v if W > 1]
-        scale = statistics.median(v[W] / _verify_ratio(prior, W) for W in seen) if seen else 1.0
-    return t1, ratio
-
-
 # A replay's cost is its proposer's alone: prompt lookup replays a whole answer in a fraction of a
 # target forward, a learned draft pays a forward of its own per drafted token. Each replay stops
 # after this share of the answer's time budget, so the lookups see the whole answer (where their
@@ -550,7 +299,7 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
     forward t1 at each prompt's context and the verify-cost curve v(W) of the real loop, which
     price the replayed steps. Lookahead reads the target's logits on its own window, so it runs
     for real on calib_tokens // 3 tokens."""
-    from .generate import autoregressive_generate, speculative_generate
+    from ..generate import autoregressive_generate, speculative_generate
 
     tgt = shared.wrap()
     lead = "hybrid" if "hybrid" in names else "ngram"
@@ -570,7 +319,7 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
         shared.state = None
         points[j] = log = []
         timed = shared.wrap()
-        _clock(timed, log)
+        clock_verifies(timed, log)
         # the prompt's prefill (shared by every run below) and 2 real autoregressive steps: t_ar here
         ar = autoregressive_generate(timed, ids, max_new_tokens=2, temperature=0.0, timing=True, seed=config.seed)
         prefill_s = ar.stats.prefill_time
@@ -589,7 +338,7 @@ def _replay_all(cal, reg, target, shared, names, prompts, groups, config, t0) ->
         feats = cap.feats[: z.shape[0] - 1] if cap is not None else None
         cap_s = REPLAY_SHARE * config.replay_tokens * t_ar  # each replay's time: equal per method, not tokens
         for m in ["ar"] + names:
-            p = _Timed(reg.proposer(m)) if m != "ar" else None
+            p = Timed(reg.proposer(m)) if m != "ar" else None
             if m == "lookahead":
                 o = speculative_generate(tgt, p.proposer, ids, max_new_tokens=max(config.calib_tokens // 3, 4),
                                          temperature=0.0, timing=True, seed=config.seed)

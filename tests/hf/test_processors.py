@@ -5,7 +5,8 @@ import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from _stats import power_sample_size
-from specref import oracle, processors
+from specref import oracle
+from specref.hf import processors
 from specref.draft_model import DraftModelConfig, DraftModelProposer
 from specref.eagle_head import EagleConfig, EagleHead, EagleProposer
 from specref.generate import autoregressive_generate, speculative_generate

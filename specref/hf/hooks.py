@@ -13,7 +13,7 @@ piece at one named point of a step:
                      with the next step's one device read (nan_flag), and on_read raises then,
                      naming the model, the row and the step (checks.finite_or_raise)
   on_emit            stop strings: a row ends where transformers' StopStringCriteria ends it, even
-                     inside an accepted run (hf_generation.StopStrings)
+                     inside an accepted run (generation.StopStrings)
   on_commit          the streamer gets the step's committed tokens
   should_stop        max_time (transformers' MaxTimeCriteria): no step starts after it has passed
   sequences          the output as model.generate returns it (return_sequences)
@@ -29,8 +29,9 @@ from typing import Dict, Optional
 
 import torch
 
-from . import checks, hf_generation, processors
-from .hf_generation import StopStrings
+from .. import checks
+from . import generation, processors
+from .generation import StopStrings
 
 
 @dataclass
@@ -124,8 +125,8 @@ class Hooks:
         """(B, T + n) prompt + new tokens padded with pad_token_id with return_sequences, else None."""
         if not self.return_sequences:
             return None
-        return hf_generation.sequences(checks.as_token_tensor(self.input_ids, "input_ids"), tokens, num_tokens,
-                                       self.pad_token_id)
+        return generation.sequences(checks.as_token_tensor(self.input_ids, "input_ids"), tokens, num_tokens,
+                                    self.pad_token_id)
 
 
 def _bad(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -5,7 +5,7 @@ Speculative sampling reproduces the distribution p the target is sampled from (L
 position i must be computed on the context INCLUDING the draft tokens before i: p_i(x) =
 proc(prefix + x_1..x_{i-1})(logits_i)(x). Applied on the committed context only (the same for every
 position of the block) it is a different distribution, and the output is no longer what direct
-sampling with the processor gives (tests/test_processors.py shows the chi-square test rejecting that
+sampling with the processor gives (tests/hf/test_processors.py shows the chi-square test rejecting that
 mutant). In a tree each node's processors see its own path (root to node), not its siblings.
 
 A draft that samples may use any q it likes, as long as q is what its tokens were drawn from; the
@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import tree
+from .. import tree
 
 
 def _present(tokens: torch.Tensor, valid: torch.Tensor, V: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The strategy picker (picker.py, calibrate.py): its prediction is the closed form of the measured
+"""The strategy picker (picker.py, calibration.py): its prediction is the closed form of the measured
 terms, "do not speculate" where the closed form says so, the replay of a greedy answer counts what
 a real run counts, and bad input is a ValueError. No timing is asserted (speed never goes into a
 test): the costs below are synthetic."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specref import picker, theory
-from specref.calibrate import Calibration, Replay, calibrate, fit_verify_curve
+from specref.picker import Calibration, Replay, calibrate, fit_verify_curve
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
 from specref.registry import Registry
@@ -171,7 +171,7 @@ def test_answer_and_replays_are_bounded_by_time_not_tokens(tiny, monkeypatch):
     tokens) and each replay for a share of that: with an unbounded budget every run covers
     max_new_tokens, with a vanishing replay share every replay stops after its first step and is
     still counted on the answer's prefix (no timing is asserted: only the two limits)."""
-    import specref.calibrate as calib
+    import specref.picker.calibration as calib
 
     model, reg = tiny
     methods = ("ngram", "eagle", "draft", "hybrid")
@@ -208,7 +208,7 @@ def test_calibration_sample_covers_the_workload():
     """The calibration takes the prompts in a seeded order, round-robin over categories, long and
     short alternating within each: a budget that stops after a few prompts has still seen every
     category (file order would have seen only the first)."""
-    from specref.calibrate import sample_order
+    from specref.picker import sample_order
 
     groups = [c for c in "abcd" for _ in range(6)]  # 4 categories, 6 prompts each, in file order
     prompts = [[1] * (1 + (i % 6) * 10) for i in range(24)]  # lengths 1..51 within each category
@@ -224,7 +224,7 @@ def test_calibration_sample_covers_the_workload():
 
 def test_the_budget_follows_the_workload():
     """budget_s="auto": 5% of the workload's expected autoregressive time, within [30, 600] s."""
-    from specref.calibrate import budget_for
+    from specref.picker import budget_for
 
     t1 = 0.05  # seconds per one-token forward
     assert budget_for(240, 128, t1) == pytest.approx(0.05 * 240 * 128 * t1)  # 76.8 s

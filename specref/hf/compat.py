@@ -9,7 +9,7 @@ the layer's abstract `get_max_cache_shape` became `get_max_length` (5.13), `get_
 
 Supported: transformers >=5.13,<6 (5.0-5.12 lack the layer API above). Tested: 5.24.0, the version
 the test suite runs on, and 5.13.1 and 5.23.0 (tests/test_kv_rollback.py, test_target.py and
-test_transformers_range.py).
+hf/test_transformers_range.py).
 `check_transformers()` compares the installed cache API with what specref relies on, once per
 process, and raises TransformersVersionError naming the installed version and what changed, so
 an incompatible install fails when a SpecCache or Target is built instead of inside a forward.

@@ -1,4 +1,4 @@
-"""The transformers range (specref/compat.py): an incompatible cache API fails when a SpecCache or a
+"""The transformers range (specref/hf/compat.py): an incompatible cache API fails when a SpecCache or a
 Target is built, with a message naming the installed version and what changed."""
 import re
 from abc import ABC, abstractmethod
@@ -8,8 +8,8 @@ import torch
 import transformers
 import transformers.cache_utils as cu
 
-from specref import compat
-from specref.compat import TransformersVersionError, cache_keyword, check_transformers
+from specref.hf import compat
+from specref.hf.compat import TransformersVersionError, cache_keyword, check_transformers
 from specref.kv_rollback import SpecCache, _RowLayer
 from specref.models import tiny_model
 from specref.target import Target
