@@ -133,6 +133,41 @@ def as_token_tensor(x, name: str, mask: bool = False) -> torch.Tensor:
     return t
 
 
+def prompt_rows(input_ids, attention_mask, vocab: int) -> List[torch.Tensor]:
+    """The prompts, one tensor per row: (B, T) left- or right-padded with an attention mask, or (T,)
+    (tensors, arrays or lists of ints); every row non-empty, its ids in [0, vocab)."""
+    input_ids = as_token_tensor(input_ids, "input_ids")
+    if attention_mask is not None:
+        attention_mask = as_token_tensor(attention_mask, "attention_mask", mask=True)
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+        attention_mask = None if attention_mask is None else attention_mask.view(1, -1)
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids must have shape (B, T) with B >= 1, got {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    if attention_mask is None or bool(attention_mask.bool().all()):  # no padding: one check
+        if input_ids.shape[1] == 0:
+            raise ValueError("prompt row 0 is empty: every row needs at least one token")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"prompt has token ids outside [0, {vocab}): min {lo}, max {hi}")
+        return list(input_ids.long())
+    rows = []
+    for b in range(input_ids.shape[0]):
+        r = input_ids[b] if attention_mask is None else input_ids[b][attention_mask[b].bool()]
+        if r.numel() == 0:
+            raise ValueError(f"prompt row {b} is empty: every row needs at least one token")
+        if int(r.min()) < 0 or int(r.max()) >= vocab:
+            raise ValueError(f"prompt row {b} has token ids outside [0, {vocab}): "
+                             f"min {int(r.min())}, max {int(r.max())}")
+        rows.append(r.long())
+    return rows
+
+
 # ----------------------------------------------------------------------------- proposers
 
 
