@@ -110,15 +110,8 @@ def _worst(index, expected, observed, k: int = 5) -> Tuple[Cell, ...]:
     return tuple(Cell(int(index[i]), float(expected[i]), float(observed[i]), float(r[i])) for i in top)
 
 
-def chi_square_gof(observed, probs, *, min_expected: float = 5.0) -> GofResult:
-    """Pearson chi-square goodness of fit of `observed` counts (C,) against exact `probs` (C,).
-
-    Cells with p_i = 0 must be empty: one observation there proves the sampler wrong, so the result
-    has statistic inf and p_value 0.0. Cells with expected count n p_i < min_expected are pooled
-    (see _pool). With fewer than two cells left there is nothing to test: dof 0, p_value 1.0.
-    """
-    from scipy import stats
-
+def _counts_and_probs(observed, probs, min_expected: float):
+    """Checked counts o (C,), probabilities p (C,), n, expected counts n p (C,) and the worst cells."""
     o = _as_array(observed, "observed")
     p = _as_probs(probs, o.size)
     if min_expected < 0:
@@ -127,7 +120,20 @@ def chi_square_gof(observed, probs, *, min_expected: float = 5.0) -> GofResult:
     if n <= 0:
         raise ValueError("observed must contain at least one count, got all zeros")
     e = n * p  # (C,)
-    worst = _worst(np.arange(o.size), e, o)
+    return o, p, n, e, _worst(np.arange(o.size), e, o)
+
+
+def chi_square_gof(observed, probs, *, min_expected: float = 5.0) -> GofResult:
+    """Pearson chi-square goodness of fit of `observed` counts (C,) against exact `probs` (C,).
+
+    Cells with p_i = 0 must be empty: one observation there proves the sampler wrong, so the result
+    has statistic inf and p_value 0.0. Cells with expected count n p_i < min_expected are pooled
+    (see _pool; never every cell into one group). Two groups of which one is still small: the exact
+    binomial p-value. Only a p with a single cell of support leaves nothing to test: dof 0, p 1.
+    """
+    from scipy import stats
+
+    o, p, n, e, worst = _counts_and_probs(observed, probs, min_expected)
     if np.any((p == 0) & (o > 0)):
         return GofResult(math.inf, o.size - 1, 0.0, int(round(n)), o.size, worst)
     o_g, e_g, hidden = _grouped(o, p, e, min_expected)  # (G,), (G,)
@@ -179,13 +185,7 @@ def gof_test(observed, probs, *, min_expected: float = 5.0) -> GofResult:
     """
     from scipy import stats
 
-    o = _as_array(observed, "observed")
-    p = _as_probs(probs, o.size)
-    n = float(o.sum())
-    if n <= 0:
-        raise ValueError("observed must contain at least one count, got all zeros")
-    e = n * p  # (C,)
-    worst = _worst(np.arange(o.size), e, o)
+    o, p, n, e, worst = _counts_and_probs(observed, probs, min_expected)
     if np.any((p == 0) & (o > 0)):
         return GofResult(math.inf, max(1, int((p > 0).sum()) - 1), 0.0, int(round(n)), o.size, worst, 0.0, "lr")
     o_g, e_g, hidden = _grouped(o, p, e, min_expected)  # (G,), (G,)
