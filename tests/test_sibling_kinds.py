@@ -11,7 +11,9 @@ rule that matches how its siblings were drawn, and the label is never guessed.
   per-node kinds; labelled "sampled" throughout, the top-k nodes' q makes them FAIL;
 - the exact two-sibling numbers of docs/sibling_kinds.md.
 Oracle runs: the small cases (V = 5, 6) and tree_cases.mixed_cases; a PASS asserts the power for TV
-0.05 (6,000-8,000 rows per variant), a FAIL 1,500 rows (6,000 for the merge, lossy by TV ~0.03 there).
+0.05 in the output law (every depth of a step summed), on their shallow variants (depth 1; the
+merge: sequences of 2) at 30,000-60,000 rows per variant; a FAIL 1,500 rows (6,000 for the merge,
+lossy by TV ~0.03 there).
 """
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from specref.eagle_tree import Eagle2Proposer
 from specref.generate import speculative_generate
 from specref.models import tiny_model
 from specref.mtp import MTPProposer
-from specref.oracle.tree_cases import TreeCase, TreeVariant, standard_tree_cases
+from specref.oracle.tree_cases import TreeCase, TreeVariant, sequence_cases, shallow, standard_tree_cases
 from specref.oracle.tree_check import check_tree_sampler
 from specref.proposer import Draft
 from specref.rejection import verify_tree
@@ -194,8 +196,10 @@ def _labelled(kind):
 
 
 def test_without_replacement_siblings_pass_under_their_kind_and_fail_as_sampled():
-    rep = check_tree_sampler(verify_tree, siblings="without", samples=8_000, seed=2, cases=SAMPLED_SMALL)
-    assert rep.verdict == "PASS", rep.summary()  # with the power for TV 0.05 (~7,400 rows per variant needed)
+    # a PASS needs the power for TV 0.05 in the output law, every depth of a step summed: on the
+    # depth-1 trees (the fan of 4 siblings drawn without replacement) 30,000 rows per variant give it
+    rep = check_tree_sampler(verify_tree, siblings="without", samples=30_000, seed=2, cases=shallow(SAMPLED_SMALL, 1))
+    assert rep.verdict == "PASS", rep.summary()
     bad = check_tree_sampler(_labelled("sampled"), siblings="without", samples=1_500, seed=2, cases=SAMPLED_SMALL)
     assert bad.verdict == "FAIL", bad.summary()
     # the stricter question: the exact law of Sequoia's rule in index order (tree_exact.py, mode
@@ -254,8 +258,9 @@ def _merged(kind):
 
 
 def test_merged_iid_sequences_pass_as_without_and_fail_as_sampled():
-    rep = check_tree_sampler(_merged(None), siblings="trie", samples=5_000, seed=2)  # sequence_cases()
-    assert rep.verdict == "PASS", rep.summary()  # ~4,500 rows per variant give the power for TV 0.05
+    rep = check_tree_sampler(_merged(None), siblings="trie", samples=60_000, seed=2,
+                             cases=shallow(sequence_cases(), 2))  # sequences of 2
+    assert rep.verdict == "PASS", rep.summary()  # 60,000 rows per variant give the power for TV 0.05
     # labelled "sampled": two draws from q = (0.3, 0.6, 0.1) merged, p = (0.5, 0, 0.5) at the root; the
     # first token's law is (0.6, 0, 0.4) (TV 0.1, _first_token_law). On sequence_cases() the
     # deviation is TV ~0.03 (6,000 rows per variant find it)
@@ -272,8 +277,8 @@ def test_merged_iid_sequences_pass_as_without_and_fail_as_sampled():
 def test_mixed_trees_pass_with_per_node_kinds_and_fail_with_one_label(draws):
     from specref.oracle.tree_cases import mixed_cases
     # per-node kinds from the oracle (top-k nodes "deterministic", the rest the draws' kind)
-    rep = check_tree_sampler(verify_tree, siblings=draws, samples=6_000, seed=3, cases=mixed_cases())
-    assert rep.verdict == "PASS", rep.summary()  # ~4,800 rows per variant give the power for TV 0.05
+    rep = check_tree_sampler(verify_tree, siblings=draws, samples=30_000, seed=3, cases=shallow(mixed_cases(), 1))
+    assert rep.verdict == "PASS", rep.summary()  # the top-1 node beside two samples: power for TV 0.05
     # one label, "sampled", with the q the top-k nodes were ranked by: lossy
     def one_label(tokens, parents, p, q, *, lengths, generator, siblings):
         return verify_tree(tokens, parents, p, q, lengths=lengths, generator=generator, siblings="sampled")
@@ -288,7 +293,7 @@ def test_hybrid_tree_siblings_one_hot_and_sampled_pass_as_sampled():
     # verifier without a `siblings` parameter gets q one-hot on the oracle's deterministic nodes.
     rep = check_tree_sampler(lambda tokens, parents, p, q, *, lengths, generator: verify_tree(
         tokens, parents, p, q, lengths=lengths, generator=generator, siblings="sampled"),
-        siblings="iid", samples=6_000, seed=4, cases=mixed_cases())
+        siblings="iid", samples=30_000, seed=4, cases=shallow(mixed_cases(), 1))
     assert rep.verdict == "PASS", rep.summary()
 
 
