@@ -31,12 +31,11 @@ from .check import check_rejection_sampler
 from .selftest import MUTANTS, failure_reason, mutant, reference_chain
 from .lossless import MIN_EXPECTED
 from .stats import null_tail
-from .tree_cases import chain_cases, sequence_cases, shallow, standard_tree_cases
+from .tree_cases import POWER_SAMPLES, chain_cases, sequence_cases, shallow, standard_tree_cases
 from .tree_check import check_tree_sampler
 from .tree_selftest import DRAWN_WITHOUT, TREE_MUTANTS, reference_tree, reference_tree_without, tree_mutant
 
 
-POWER_SAMPLES = 30_000  # rows per variant at which the correct verifiers PASS the shallow cases (depth <= 1)
 CALIBRATION = 2.0  # the per-prefix test's exact null tail at the per-test threshold stays below this x nominal
 
 

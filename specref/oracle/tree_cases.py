@@ -300,6 +300,9 @@ def draw_tree_rows(case: TreeCase, vid: torch.Tensor, siblings: str, gen: torch.
     return tokens, parents, lengths, p, q, kinds
 
 
+POWER_SAMPLES = 30_000  # rows per variant at which correct verifiers PASS the shallow cases (depth <= 1)
+
+
 def shallow(cases, max_depth: int = 2) -> Tuple[TreeCase, ...]:
     """The variants of `cases` no deeper than max_depth (cases left empty dropped): fewer prefixes per
     depth and fewer depths per step, so an honest PASS needs far fewer rows (the self-tests' cases)."""

@@ -19,7 +19,7 @@ import torch
 from ..rejection import TreeResult, verify_tree, verify_tree_greedy
 from ..sampling import sample_from_probs, uniforms
 from .selftest import failure_reason, false_alarm_verdict, verdict_line
-from .tree_cases import standard_tree_cases
+from .tree_cases import POWER_SAMPLES, shallow, standard_tree_cases
 from .tree_check import check_tree_sampler
 from .tree_greedy import check_greedy_verifier
 
@@ -232,9 +232,11 @@ def false_alarms_tree(fn: Callable, *, runs: int = 20, samples: int = 400, alpha
     return fails, first
 
 
-def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 20) -> Tuple[bool, List[str]]:
-    """Under SpecInfer's law: every tree and greedy mutant must FAIL, no correct verifier FAIL; then the
-    false-alarm rate. The lossless law: lossless_selftest.lossless_self_test."""
+def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 20,
+                   power_samples: int = POWER_SAMPLES) -> Tuple[bool, List[str]]:
+    """Under SpecInfer's law: every tree and greedy mutant must FAIL, no correct verifier FAIL, and
+    (power_samples > 0) the batched correct verifiers PASS on the depth-1 small cases at power_samples
+    rows per variant; then the false-alarm rate. The lossless law: lossless_selftest.lossless_self_test."""
     small = tuple(c for c in standard_tree_cases() if c.vocab <= 6)
     runs = [("specref.rejection.verify_tree", verify_tree, "specref", "iid", samples, None),
             ("reference_tree", reference_tree, "specref", "iid", samples, None),
@@ -255,6 +257,15 @@ def tree_self_test(samples: int = 4000, seed: int = 0, false_alarm_runs: int = 2
         ok &= rep.passed == expect
         lines.append(verdict_line(name, rep.passed, expect,
                                   f"{rep.samples} rows; {rep.errors[0] if rep.errors else 'exact'}"))
+    powered = (("specref.rejection.verify_tree", verify_tree, "iid"), ("reference_tree", reference_tree, "iid"),
+               ("reference_tree_without", reference_tree_without, "without")) if power_samples else ()
+    for name, fn, sib in powered:  # with the power: PASS
+        rep = check_tree_sampler(fn, siblings=sib, law="specinfer", samples=power_samples, seed=seed,
+                                 cases=shallow(small, 1))
+        good = rep.verdict == "PASS"
+        ok &= good
+        lines.append(f"{'ok ' if good else 'BAD'} {name + ' (powered)':32s} expected PASS, got {rep.verdict}; "
+                     f"{rep.samples} samples, detectable {rep.detectable_tv:.3f}; {failure_reason(rep)}")
     if false_alarm_runs:
         fails, first = false_alarms_tree(reference_tree, runs=false_alarm_runs, seed=seed + 1000, cases=small)
         good, line = false_alarm_verdict("reference_tree", fails, false_alarm_runs, 0.2, first, "first-token")
