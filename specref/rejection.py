@@ -48,7 +48,6 @@ Left out: typical acceptance (lossy, Medusa's: typical.py), SpecTr's optimal-tra
 verification. The input checks (ValueError) come after the algorithm, at the end of the file.
 """
 from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Optional
 

@@ -273,3 +273,11 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="causal"):
         autoregressive_generate(bert, ids, max_new_tokens=2)
     assert autoregressive_generate(target, ids, max_new_tokens=0).tokens.shape == (1, 0)
+
+
+def test_the_loop_files_export_what_the_loop_uses():
+    # generate.py's preparation and counters live beside it (prepare.py, counters.py); the public
+    # GenerationStats is the counters' class
+    from specref import GenerationStats, counters, prepare
+    assert counters.GenerationStats is GenerationStats
+    assert callable(prepare.prepare) and "max_new_tokens" in prepare.Run.__dataclass_fields__

@@ -549,3 +549,8 @@ def test_hydra_on_eagle_starts_as_the_eagle_head_and_the_hydra_heads(hydra):
     with pytest.raises(ValueError, match=r"num_heads must be an int in \[1, 4\]"):
         hydra_on_eagle(target, seq, e, 5)
     _greedy_parity_and_batch_independence(target, out, min_tau=0.0)  # an untrained EAGLE head: rarely accepted
+
+
+def test_prefix_kinds_live_in_medusa_prefix():
+    from specref import medusa_prefix
+    assert set(medusa_prefix.PREFIX_KINDS) == {"attention", "layer", "pairs", "eagle"}
