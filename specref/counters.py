@@ -30,6 +30,16 @@ class GenerationStats:
     prefill_time: float = 0.0  # the phases, host clock (device-exact with timing=True)
     draft_time: float = 0.0  # time inside the proposer
     verify_time: float = 0.0  # target forwards + rejection step
+    first_token_time: float = 0.0  # time to first token (TTFT): the call's start to the end of the
+    # first step, which emits every row's first token (a scheduler: the mean over its requests)
+    row_latency: List[float] = field(default_factory=list)  # per row (a scheduler: per request): the
+    # call's start to the end of the step that emitted its last token, seconds
+    row_first_token: List[float] = field(default_factory=list)  # per row (request): the call's start
+    # to the end of the step that emitted its first token (a queued request's wait included)
+    row_tokens: List[int] = field(default_factory=list)  # per row (request): tokens emitted
+    idle_row_steps: int = 0  # (row, step) pairs with no request in the row while requests waited
+    finished_row_steps: int = 0  # (row, step) pairs with no request in the row, none waiting (a
+    # static batch: every row-step after a row ended, until the batch's last row ends)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -46,7 +56,31 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """End to end: every emitted token over the whole call (prefill included)."""
         return self.num_emitted_tokens / max(self.wall_time, 1e-9)
+
+    @property
+    def decode_time(self) -> float:
+        """The call less its prefills (the loop's steps and what runs between them)."""
+        return max(self.wall_time - self.prefill_time, 0.0)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Decoding alone: every emitted token over the call's time outside its prefills."""
+        return self.num_emitted_tokens / max(self.decode_time, 1e-9)
+
+    @property
+    def time_per_output_token(self) -> List[float]:
+        """TPOT per row (request): (last token's time - first token's time) / (tokens - 1); 0.0 for a
+        row of fewer than two tokens."""
+        return [(end - first) / (n - 1) if n > 1 else 0.0
+                for end, first, n in zip(self.row_latency, self.row_first_token, self.row_tokens)]
+
+    @property
+    def idle_fraction(self) -> float:
+        """Row-steps with no request in the row while requests waited, over all row-steps."""
+        total = self.num_row_steps + self.idle_row_steps + self.finished_row_steps
+        return self.idle_row_steps / max(total, 1)
 
 
 
@@ -60,6 +94,19 @@ class Counters:
         self.drafted = torch.zeros(0, dtype=torch.long, device=device)  # (P,) per draft position
         self.accepted = torch.zeros(0, dtype=torch.long, device=device)  # (P,)
         self.forwards = 0
+        self.marks: List[float] = []  # host clock after each of the loop's reads: marks[0] after the
+        # prefill, marks[s + 1] once step s is done (the read waits for the device: exact on CUDA too)
+        self.end_step = None  # (B,) long: the step in which a row ended, -1 while it runs
+
+    def mark(self, t: float) -> None:
+        """The host clock right after the loop's device read (step len(marks) - 1 is then done)."""
+        self.marks.append(t)
+
+    def ended(self, rows: torch.Tensor) -> None:
+        """rows (B,) bool ended in the step just counted (self.forwards - 1)."""
+        if self.end_step is None:
+            self.end_step = torch.full(rows.shape, -1, dtype=torch.long, device=self.dev)
+        self.end_step = torch.where(rows & (self.end_step < 0), self.forwards - 1, self.end_step)
 
     def add(self, block, step, active: torch.Tensor, num_emit: torch.Tensor,
             accepted: torch.Tensor) -> None:
@@ -82,3 +129,19 @@ class Counters:
         stats.drafted_per_position = self.drafted.tolist()
         stats.accepted_per_position = self.accepted.tolist()
         stats.target_forwards = self.forwards
+
+    def fill_rows(self, stats: GenerationStats, num_new: torch.Tensor, started: float) -> None:
+        """One batch's per-row times (every row's first token comes out of step 0) and its finished
+        rows' idle row-steps; `started` the call's start on the host clock."""
+        B = int(num_new.shape[0])
+        stats.row_tokens = num_new.tolist()
+        stats.finished_row_steps = self.forwards * B - stats.num_row_steps
+        if self.forwards == 0 or len(self.marks) < 2:
+            stats.row_first_token = stats.row_latency = [0.0] * B
+            return
+        end = self.end_step if self.end_step is not None else torch.full((B,), -1, dtype=torch.long)
+        end = end.tolist()
+        last = len(self.marks) - 2  # the last step whose end was marked
+        stats.first_token_time = self.marks[1] - started
+        stats.row_first_token = [stats.first_token_time] * B
+        stats.row_latency = [self.marks[min(e if e >= 0 else last, last) + 1] - started for e in end]

@@ -112,6 +112,20 @@ class DraftModelProposer:
         self.ctx_len = self.done  # (B,) nothing speculative yet: an update() now keeps everything
 
     @torch.no_grad()
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden=None) -> None:
+        """Rows that took a new request (scheduler.py): each new prompt but its last token prefilled
+        alone into the row's slots of the draft cache, as begin() does for a whole batch."""
+        P = ctx.lengths[rows] - 1  # (R,) tokens to prefill per row
+        Pm = int(P.max())
+        tmp = self.lm.new_cache(rows.shape[0], max(Pm, 1))
+        if Pm > 0:
+            self.lm.prefill(tmp, self._readable(ctx.tokens[rows, :Pm]), P, logits=False)
+        self.cache.write_rows(rows, tmp)
+        self.done, self.ctx_len = self.done.clone(), self.ctx_len.clone()
+        self.done[rows] = P
+        self.ctx_len[rows] = P
+
+    @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         if self.cache is None:
             raise ValueError("DraftModelProposer.propose() called before begin()")

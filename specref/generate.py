@@ -78,6 +78,9 @@ class NullProposer:
     def update(self, ctx, num_accepted) -> None:
         pass
 
+    def reset_rows(self, ctx, rows, hidden=None) -> None:
+        pass
+
 
 @dataclass
 class _Block:
@@ -161,15 +164,18 @@ def speculative_generate(
     stats = GenerationStats()
     hooks.on_start()
     if run.max_new_tokens > 0:
-        _decode(run, hooks, stats, _clock(timing, run.target.device))
+        counters = _decode(run, hooks, stats, _clock(timing, run.target.device))
+        counters.fill_rows(stats, run.num_new, t_start)  # TTFT, per-row latency, finished rows' idle steps
     hooks.on_end()
     stats.wall_time = time.perf_counter() - t_start
     tokens = run.out_tokens[:, :run.max_new_tokens].contiguous()  # (B, max_new_tokens)
     return GenerationOutput(tokens, run.num_new, stats, hooks.sequences(tokens, run.num_new))
 
 
-def _decode(run: Run, hooks: Hooks, stats: GenerationStats, clock) -> None:
-    """The loop: a prefill, then steps 1-4 until every row has ended (or max_time has passed)."""
+def _decode(run: Run, hooks: Hooks, stats: GenerationStats, clock, refill=None) -> Counters:
+    """The loop: a prefill, then steps 1-4 until every row has ended (or max_time has passed).
+    refill (scheduler.py): called after each step's read with (the read's values, active (B,) and
+    num_new (B,) as lists) -> (alive, longest) once the free rows took waiting requests."""
     ctx, proposer, counters = run.ctx, run.proposer, Counters(run.target.device)
     with run.target.session():  # CPU: packed linears swapped in once for every forward of the loop
         t0 = clock()
@@ -178,9 +184,14 @@ def _decode(run: Run, hooks: Hooks, stats: GenerationStats, clock) -> None:
         proposer.begin(ctx, run.sampling, run.generator)
         while True:
             # the step's one device read: rows alive, the longest context, the last step's NaN check
-            alive, longest, failed = torch.stack([ctx.active.any().long(), ctx.lengths.max(),
-                                                  hooks.nan_flag(ctx.lengths)]).tolist()
+            # (with a scheduler, also each row's state: which rows are free and what they emitted)
+            read = torch.stack([ctx.active.any().long(), ctx.lengths.max(), hooks.nan_flag(ctx.lengths)])
+            vals = (read if refill is None else torch.cat([read, ctx.active.long(), run.num_new])).tolist()
+            counters.mark(time.perf_counter())  # the read waited for the device: the last step is done
+            alive, longest, failed = vals[:3]
             hooks.on_read(failed)  # the last step's NaN / inf raised, naming its row and step
+            if refill is not None:
+                alive, longest = refill(alive, longest, vals[3:])  # free rows take waiting requests
             if not alive:
                 break
             # 1. draft: up to k tokens per row, or a token tree
@@ -204,6 +215,7 @@ def _decode(run: Run, hooks: Hooks, stats: GenerationStats, clock) -> None:
             if hooks.should_stop():  # max_time
                 break
     counters.fill(stats)
+    return counters
 
 
 def _prefill(run: Run) -> None:
@@ -351,7 +363,9 @@ def _commit(run: Run, step: StepResult, block: _Block, num_emit: torch.Tensor, e
     counters.add(block, step, ctx.active, num_emit, torch.minimum(step.num_accepted, num_emit))  # accepted kept
     ctx.lengths += num_emit
     run.num_new += num_emit
-    ctx.active &= ~ended & (run.num_new < run.max_new_tokens)
+    was = ctx.active.clone()
+    ctx.active &= ~ended & (run.num_new < run.max_new_tokens)  # max_new_tokens: an int or (B,) per row
+    counters.ended(was & ~ctx.active)
     if run.hidden_layers is not None:
         ctx.hidden, ctx.hidden_len = hidden, num_emit  # the committed tokens' features
 

@@ -175,6 +175,23 @@ class SpecCache(Cache):
             raise ValueError("rollback_to may only shorten rows, to a length >= 0")
         self.lengths.copy_(lengths)
 
+    def write_rows(self, rows: torch.Tensor, src: "SpecCache") -> None:
+        """Row rows[r] of this cache becomes row r of `src` (its committed slots, its length): a
+        request prefilled alone (src, R rows) placed into the slots of the rows it takes (a batch
+        scheduler's refill, scheduler.py); every other row untouched. rows (R,) long."""
+        rows = rows.to(self.lengths.device)
+        for mine, theirs in zip(self.layers, src.layers):
+            if not theirs.is_initialized:
+                continue  # src wrote nothing (prompts of one token: nothing to prefill)
+            if not mine.is_initialized:  # this cache has not been written yet: allocate it whole
+                k, v = theirs.keys, theirs.values  # (R, H, S', D)
+                mine.lazy_initialization(k.new_zeros((self.batch, *k.shape[1:])), v.new_zeros((self.batch, *v.shape[1:])))
+            n = min(theirs.keys.shape[2], self.max_len)
+            r = rows.to(mine.keys.device)
+            mine.keys[r, :, :n] = theirs.keys[:, :, :n].to(mine.keys)
+            mine.values[r, :, :n] = theirs.values[:, :, :n].to(mine.values)
+        self.lengths[rows] = src.lengths.to(self.lengths)
+
     # -- transformers Cache interface ------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max()) if self.batch else 0

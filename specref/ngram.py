@@ -176,6 +176,13 @@ class NgramProposer:
         self._acc = DecayedAcceptance(ctx.tokens.shape[0], self.config.prior_accept, self.config.memory)
         self._shadow = None
 
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden=None) -> None:
+        """Rows that took a new request (scheduler.py) start again from the prior acceptance."""
+        if self._acc.hits.shape[0] != ctx.tokens.shape[0]:
+            return self.begin(ctx, None, None)
+        r = rows.cpu().numpy()  # (R,)
+        self._acc.hits[r], self._acc.misses[r] = 2.0 * self.config.prior_accept, 2.0 * (1.0 - self.config.prior_accept)
+
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         cfg = self.config
         B = ctx.tokens.shape[0]
