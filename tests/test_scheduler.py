@@ -147,9 +147,10 @@ def test_zero_budget_and_errors():
 
 @pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
-    # (method, temperature, top_k)
-    ("draft", 1.0, 0),  # a sampled draft with q
-    ("ngram", 0.7, 5),  # a deterministic draft (q = None), temperature + top-k
+    # (method, temperature, top_k, prompt)
+    ("draft", 0.7, 5, (3, 1, 4, 1, 5)),  # a sampled draft with q, temperature + top-k
+    ("ngram", 0.7, 5, (9, 10, 11, 12, 3, 1, 4, 1, 5)),  # a deterministic draft (q = None); the
+    # prompt holds the target's likely continuations, so that most requests draft and accept
 ])
 def test_refilled_rows_lossless(case):
     """The joint of the first 3 tokens of requests that entered a ragged batch by refill, against
@@ -157,13 +158,13 @@ def test_refilled_rows_lossless(case):
     with ragged prompts and budgets, so every tested request is prefilled into a row whose
     neighbours are mid-request; the number of tested requests is the fewest with power 0.99
     against TV 0.02 at 1e-3 (tests/_stats.py)."""
-    method, temperature, top_k = case
+    method, temperature, top_k, prompt = case
     V, L, B = 16, 3, 2048
     target, draft = _pair()
-    prompt = [3, 1, 4, 1, 5]
+    prompt = list(prompt)
     exact = hf_joint_distribution(target, torch.tensor(prompt), L, SamplingConfig(temperature, top_k)).numpy()
     n = power_rows(exact, 80_000)
-    fill = _requests(n // 2 + B, seed=7, budgets=(1, 7))
+    fill = _requests(B + n // 20, seed=7, budgets=(1, 6), lengths=(1, 7))
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     rest = [Request(prompt, max_new_tokens=L)] * n + fill[B:]
     order = rng.permutation(len(rest))
@@ -176,6 +177,6 @@ def test_refilled_rows_lossless(case):
     if method == "draft":
         assert 0.3 < out.stats.acceptance_rate < 0.95
     else:
-        assert out.stats.num_accepted_tokens > 0.05 * n  # the n-gram drafts are accepted, sometimes
+        assert out.stats.num_accepted_tokens > 0.3 * n  # the n-gram drafts are accepted, often
     res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(tested, V), V ** L), exact)
     assert res.p_value > ALPHA, res
