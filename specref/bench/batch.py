@@ -11,14 +11,20 @@ warm-up at each B; per (B, method): total tokens / total wall time, and its rati
 the fraction of row-steps spent on rows that had already finished is reported as "idle".
 transformers' assisted generation and prompt lookup run at batch 1 only (its own restriction), so
 they are skipped for B > 1. The adaptive proposers keep the costs measured once at B = 1.
-Left out: compacting finished rows out of the batch (the idle column says what it would save).
+Beside the end-to-end tokens/s (left-padded prompts' prefill included): decoding alone (tokens over
+the time outside the prefills), the median time to first token (TTFT: a batch's call start to its
+first step's end) and the median time per output token (TPOT: per row, its last token's time less
+its first's, over its tokens less one). With `--refill`, every specref method also runs as one
+queue of every question through scheduler.py at each B > 1: static batches (refill "batch") and
+a finished row taking the next question at once (refill "row"), with TTFT from the queue's start
+(the wait included) and the idle row-steps while questions waited.
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -45,8 +51,32 @@ def _batches(prompts: List[List[int]], B: int, device) -> List[tuple]:
     return out
 
 
-def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str = "") -> dict:
-    """Every method of cfg.methods at each batch size; returns the JSON-able result."""
+def _median(xs: list) -> Optional[float]:
+    xs = sorted(x for x in xs if x is not None)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _queue_bench(methods, prompts: List[List[int]], B: int, slack: int, seed: int) -> Dict[str, dict]:
+    """Every specref method as one queue of every prompt with B rows: static batches, then refill."""
+    out: Dict[str, dict] = {}
+    max_len = max(len(p) for p in prompts) + slack
+    for m in methods:
+        if m.queue is None:
+            continue
+        for refill in ("batch", "row"):
+            m.queue(prompts[:B], B, max_len, seed, refill)  # warm-up, untimed
+            rec = m.queue(prompts, B, max_len, seed, refill)
+            tokens = sum(len(r) for r in rec["rows"])
+            out[f"{m.name}/{refill}"] = dict(
+                label=m.label, refill=refill, tokens=tokens, tok_s=tokens / max(rec["wall"], 1e-9),
+                dec_tok_s=tokens / max(rec["wall"] - rec["prefill_time"], 1e-9), ttft=_median(rec["ttft"]),
+                tpot=_median(rec["tpot"]), idle=rec["idle"], finished=rec["finished"], rows=rec["rows"])
+    return out
+
+
+def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str = "", refill: bool = False) -> dict:
+    """Every method of cfg.methods at each batch size (refill: also as queues, scheduler.py);
+    returns the JSON-able result."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
@@ -56,6 +86,7 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
     prompts = [encode(q["turns"][0]) for q in questions]
     slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
     rows: Dict[int, Dict[str, dict]] = {}
+    ar_rows: Dict[int, list] = {}  # the baseline's rows at each B, file order
     bar = tqdm(total=sum(len(range(0, len(prompts), B)) for B in sizes) * len(methods), desc="batch bench",
                disable=not cfg.progress)
     for B in sizes:
@@ -64,7 +95,7 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
         w_ids, w_mask = batches[0]
         for m in todo:  # warm-up at this batch size, untimed
             m.run(w_ids, w_ids.shape[1] + slack, cfg.seed, min(16, cfg.max_new_tokens), mask=w_mask)
-        acc = {m.name: dict(tokens=0, wall=0.0, rows=[], idle=[]) for m in todo}
+        acc = {m.name: dict(tokens=0, wall=0.0, rows=[], idle=[], decode=0.0, ttft=[], tpot=[]) for m in todo}
         for i, (ids, mask) in enumerate(batches):
             r = i % len(todo)
             for m in todo[r:] + todo[:r]:
@@ -74,8 +105,12 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
                 a["wall"] += rec["wall"]
                 a["rows"] += rec["rows"]
                 a["idle"].append(rec.get("idle"))
+                a["decode"] += rec["wall"] - rec.get("prefill_time", 0.0) if "prefill_time" in rec else 0.0
+                a["ttft"].append(rec.get("ttft"))
+                a["tpot"] += rec.get("tpot", [])
                 bar.update(1)
         base = acc["ar"]
+        ar_rows[B] = base["rows"]
         rows[B] = {}
         for m in todo:
             a = acc[m.name]
@@ -83,8 +118,14 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
             rows[B][m.name] = dict(
                 label=m.label, tokens=a["tokens"], wall=a["wall"], tok_s=a["tokens"] / max(a["wall"], 1e-9),
                 idle=sum(idle) / len(idle) if idle else None,
+                dec_tok_s=a["tokens"] / a["decode"] if a["decode"] > 0 else None, ttft=_median(a["ttft"]),
+                tpot=_median(a["tpot"]),
                 identical=(a["rows"] == base["rows"]) if (m.specref and cfg.temperature == 0) else None)
     bar.close()
+    queues = {str(B): _queue_bench(methods, prompts, B, slack, cfg.seed) for B in sizes if refill and B > 1}
+    for B, per in queues.items():
+        for rec in per.values():
+            rec["identical"] = (rec.pop("rows") == ar_rows[int(B)]) if cfg.temperature == 0 else None
     ar1 = rows[sizes[0]]["ar"]["tok_s"] if sizes[0] == 1 else None
     for B, per in rows.items():
         for rec in per.values():
@@ -94,7 +135,7 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
                 questions=len(questions), max_new_tokens=cfg.max_new_tokens, skipped=skipped,
                 threads=torch.get_num_threads(), duration_s=time.perf_counter() - t0,
                 load_avg=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
-    return dict(meta=meta, rows={str(B): per for B, per in rows.items()})
+    return dict(meta=meta, rows={str(B): per for B, per in rows.items()}, queues=queues)
 
 
 def batch_markdown(result: dict) -> str:
@@ -103,18 +144,45 @@ def batch_markdown(result: dict) -> str:
              f"`{m['command']}` ({m['date']}; {m['model']}; {m['questions']} questions, {m['max_new_tokens']} new "
              f"tokens, batches of B in file order, left-padded; {m['threads']} threads; {m['duration_s'] / 60:.1f} "
              f"min). Speed-up: total tokens/s over specref autoregressive at the same B; 'vs ar B=1': over "
-             "autoregressive at batch 1; idle: row-steps spent on rows that had already finished.", "",
-             "| B | method | tokens/s | speed-up | vs ar B=1 | idle | greedy identical |", "|---|---|---|---|---|---|---|"]
+             "autoregressive at batch 1; idle: row-steps spent on rows that had already finished; decode "
+             "tokens/s: the time outside the prefills; TTFT and TPOT: medians (a batch's first token; a row's "
+             "time per token after its first).", "",
+             "| B | method | tokens/s | decode tokens/s | TTFT | TPOT | speed-up | vs ar B=1 | idle | greedy identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for B, per in result["rows"].items():
         for rec in per.values():
             idle = "-" if rec["idle"] is None else f"{rec['idle']:.2f}"
             ident = "-" if rec["identical"] is None else ("yes" if rec["identical"] else "NO")
             vs1 = "-" if rec["vs_ar_b1"] is None else f"{rec['vs_ar_b1']:.2f}x"
-            lines.append(f"| {B} | {rec['label']} | {rec['tok_s']:.1f} | {rec['speedup']:.2f}x | {vs1} | {idle} | {ident} |")
+            lines.append(f"| {B} | {rec['label']} | {rec['tok_s']:.1f} | {_num(rec.get('dec_tok_s'), '.1f')} | "
+                         f"{_ms(rec.get('ttft'))} | {_ms(rec.get('tpot'))} | {rec['speedup']:.2f}x | {vs1} | {idle} | "
+                         f"{ident} |")
+    if result.get("queues"):
+        lines += ["", "As queues (scheduler.py, `--refill`): every question in one queue of B rows; static: batches of B, "
+                  "each waiting for its slowest row; refill: a finished row takes the next question at once. TTFT "
+                  "from the queue's start (the wait included); idle: row-steps with no question in the row while "
+                  "questions waited; tail: ... while none waited.", "",
+                  "| B | method | queue | tokens/s | decode tokens/s | TTFT | TPOT | idle | tail | greedy identical |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for B, per in result["queues"].items():
+            for rec in per.values():
+                ident = "-" if rec["identical"] is None else ("yes" if rec["identical"] else "NO")
+                lines.append(f"| {B} | {rec['label']} | {'refill' if rec['refill'] == 'row' else 'static'} | "
+                             f"{rec['tok_s']:.1f} | {_num(rec['dec_tok_s'], '.1f')} | {_ms(rec['ttft'])} | "
+                             f"{_ms(rec['tpot'])} | {rec['idle']:.2f} | {rec['finished']:.2f} | {ident} |")
     if m["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{k} ({v})" for k, v in m["skipped"].items())]
     lines += ["", "transformers' assisted generation and prompt lookup run at batch 1 only.", END]
     return "\n".join(lines)
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ms(x) -> str:
+    """Seconds as milliseconds, '-' when not measured."""
+    return "-" if x is None else f"{1000 * x:.0f} ms"
 
 
 def write_batch_outputs(result: dict, out_dir: Path, md_path) -> str:

@@ -122,6 +122,8 @@ class Method:
     run: Callable  # (ids (B, T), max_len, seed, n=max_new_tokens, mask=None (B, T)) -> record dict
     k: Optional[int] = None
     specref: bool = True
+    queue: Optional[Callable] = None  # specref's: (prompts, B, max_len, seed, refill) -> record dict of
+    # scheduler.schedule() over every prompt with B rows (refill "row" or "batch")
 
 
 def _spec_record(out) -> dict:
@@ -132,7 +134,18 @@ def _spec_record(out) -> dict:
                 idle=1.0 - s.num_row_steps / max(s.target_forwards * B, 1), forwards=s.num_row_steps, drafts=s.num_drafts,
                 drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
                 acc_pos=list(s.accepted_per_position), drafted_pos=list(s.drafted_per_position),
-                draft_time=s.draft_time, verify_time=s.verify_time, prefill_time=s.prefill_time)
+                draft_time=s.draft_time, verify_time=s.verify_time, prefill_time=s.prefill_time,
+                ttft=s.first_token_time, tpot=list(s.time_per_output_token))
+
+
+def _queue_record(out) -> dict:
+    """A scheduler run: rows in request order, per-request TTFT (the queue's wait included) and TPOT,
+    and the row-steps with no request while requests waited (idle) or none waited (finished)."""
+    s = out.stats
+    total = max(s.num_row_steps + s.idle_row_steps + s.finished_row_steps, 1)
+    return dict(rows=out.tokens, wall=s.wall_time, prefill_time=s.prefill_time, ttft=list(s.row_first_token),
+                tpot=list(s.time_per_output_token), idle=s.idle_row_steps / total,
+                finished=s.finished_row_steps / total, forwards=s.target_forwards)
 
 
 def build_methods(cfg, model, eos, target, registry=None) -> tuple:
@@ -153,6 +166,14 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
     def spec(name):
         return lambda ids, max_len, seed, n=N, mask=None: _spec_record(speculative_generate(
             target, reg.proposer(name), ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n}))
+
+    def queue(name):
+        from ..generate import NullProposer
+        from ..scheduler import schedule
+
+        return lambda prompts, B, max_len, seed, refill: _queue_record(schedule(
+            target, NullProposer() if name == "ar" else reg.proposer(name), prompts, batch_size=B, seed=seed,
+            max_len=max_len, refill=refill, **gen))
 
     def hf(extra, counter):
         def run(ids, max_len, seed, n=N, mask=None):
@@ -214,9 +235,10 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
             except (ImportError, ValueError, FileNotFoundError) as e:
                 skipped[name] = f"no trained {LEARNED.get(name, name)} ({e})"
                 continue
-            methods.append(Method(name, label, spec(name), k=k))
+            methods.append(Method(name, label, spec(name), k=k, queue=queue(name)))
         else:
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(ALL_METHODS)}")
     base = Method("ar", "specref autoregressive (baseline)", lambda ids, max_len, seed, n=N, mask=None: _spec_record(
-        autoregressive_generate(target, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})))
+        autoregressive_generate(target, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})),
+        queue=queue("ar"))
     return [base] + methods, skipped

@@ -41,7 +41,7 @@ mixed with the fraction f of steps that drafted at all: ((1-f) + f E) / ((1-f) +
 v = the method's verify forward / one `ar` forward (what the closed form leaves out); peak memory
 (RSS high-water mark per call on CPU, torch.cuda.max_memory_allocated on CUDA); and whether the
 greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
-Batch > 1: `--batch-size 1 4 16` (bench/batch.py). `--pick`: the picker (picker.py) calibrates on
+Batch > 1: `--batch-size 1 4 16` (bench/batch.py; `--refill`: also as queues through scheduler.py). `--pick`: the picker (picker.py) calibrates on
 the same prompts and methods after the warm-up, timed apart, and its predictions are compared with
 the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png). Left out: second turns.
 """
@@ -322,6 +322,9 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1],
                     help="batch sizes, e.g. 1 4 16: total throughput per method at each (bench/batch.py); "
                          "writes <out>/batch/batch.json and the batch section of the Markdown file")
+    ap.add_argument("--refill", action="store_true",
+                    help="with --batch-size: also run every specref method as one queue of every question at each "
+                         "B > 1 (scheduler.py), in static batches and with a finished row taking the next question")
     a = ap.parse_args(argv)
     if a.questions == "all":
         per = None
@@ -366,11 +369,12 @@ def bench_main(argv=None) -> int:
         qs, workload = load_questions(qfile, cfg.categories, cfg.questions), describe(qfile)
         print(label(workload), file=sys.stderr)
         with torch.inference_mode():
-            result = run_batch_bench(cfg, sizes, qs, command.strip())
+            result = run_batch_bench(cfg, sizes, qs, command.strip(), refill=a.refill)
         result["meta"]["workload"] = workload
         md = None if a.markdown == "none" else Path(a.markdown)
         print(write_batch_outputs(result, Path(a.out) / "batch", md))
-        bad = [(B, n) for B, per in result["rows"].items() for n, r in per.items() if r["identical"] is False]
+        bad = [(B, n) for part in ("rows", "queues") for B, per in result[part].items() for n, r in per.items()
+               if r["identical"] is False]
         if bad:
             print(f"greedy output differs from the baseline for {bad}", file=sys.stderr)
         return 1 if bad else 0

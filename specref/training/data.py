@@ -3,7 +3,8 @@
 Drafts and heads are trained on what the target itself writes (Medusa-2's and EAGLE's
 "self-distillation", Cai et al. 2024 Sec. 3.3; Li et al. 2024): the target answers a seed list of
 instructions (specref/data/instructions.jsonl: hand-written templates x topics, never Spec-Bench)
-with specref's own `autoregressive_generate`, batched and left-padded, at a configured temperature.
+with specref's own autoregressive decoding through the request queue (scheduler.py: a row whose
+answer ends takes the next instruction; each instruction its own seed), at a configured temperature.
 Optionally the first stage also answers requests that the target itself wrote (`self_instruct`:
 self_instruct.py, Magpie-style user turns over the kinds of request people send an assistant).
 An optional second stage (`passage_prompts`) quotes the target's own first-stage answers as
@@ -236,7 +237,7 @@ def distill(model, tokenizer, out_dir, config: DistillConfig = DistillConfig(),
         "format": FORMAT, "seed": config.seed, "settings": asdict(config),
         "instructions": str(Path(instructions_path).name), "num_instructions": len(rows),
         "model_fingerprint": fingerprint(model), "model": Path(getattr(model.config, "_name_or_path", "") or "").name,
-        "dtype": str(next(model.parameters()).dtype), "generator": "specref.autoregressive_generate",
+        "dtype": str(next(model.parameters()).dtype), "generator": "specref.scheduler.schedule (autoregressive)",
         "corpora": "none (self-distilled only; second-stage passages are the target's own answers; "
                    "self-instruct requests are the target's own text)" if not config.real_passages else
                    "third-stage passages quote corpus.py's python-docs and debian-reference (see real_passages)",
@@ -280,13 +281,12 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
     """Answer `rows` with the target into shards `<prefix>#####` (existing shards are kept)."""
     from tqdm.auto import tqdm
 
-    from ..generate import autoregressive_generate
+    from ..generate import NullProposer
+    from ..scheduler import schedule
 
     eos = _eos_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     n_shards = (len(rows) + config.shard_size - 1) // config.shard_size
     bar = tqdm(total=len(rows), desc=desc, unit="prompt", disable=not progress)
-    dev = next(model.parameters()).device
     salt = {"shard_": 0, "shard_s": 3571, "shard_r": 5303}.get(prefix, 7919)  # each stage its own seeds (T > 0)
     for s in range(n_shards):
         path = out / f"{prefix}{s:05d}.safetensors"
@@ -295,21 +295,18 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
             bar.update(len(group))
             continue
         prompts = [chat_prompt_ids(tokenizer, r["instruction"]) for r in group]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
-        seqs: List[Optional[Seq]] = [None] * len(prompts)
-        for b0 in range(0, len(order), config.batch_size):
-            idx = order[b0: b0 + config.batch_size]
-            ids, mask = left_pad([prompts[i] for i in idx], pad)  # (B, T)
-            gen = autoregressive_generate(model, ids.to(dev), mask.to(dev), max_new_tokens=config.max_new_tokens,
-                                          temperature=config.temperature, eos_token_id=eos,
-                                          seed=config.seed * 100003 + (s + salt) * 1009 + b0)
-            part = [Seq(torch.tensor(prompts[i] + gen.row(j)), len(prompts[i])) for j, i in enumerate(idx)]
-            if config.topk:  # p at the answer's positions only: the LM head never sees the prompt
+        # one queue of batch_size rows (scheduler.py): a row whose answer ends takes the next prompt;
+        # prompt i samples with its own generator (seed base + i), whatever the batch or the order
+        gen = schedule(model, NullProposer(), prompts, batch_size=config.batch_size, refill="row",
+                       max_new_tokens=config.max_new_tokens, temperature=config.temperature, eos_token_id=eos,
+                       seed=config.seed * 100003 + (s + salt) * 1009)
+        seqs: List[Seq] = [Seq(torch.tensor(p + gen.row(i)), len(p)) for i, p in enumerate(prompts)]
+        if config.topk:  # p at the answer's positions only: the LM head never sees the prompt
+            for b0 in range(0, len(seqs), config.batch_size):
+                part = seqs[b0: b0 + config.batch_size]
                 labels = score(model, [(q.tokens.tolist(), q.prompt_len) for q in part], (), config.topk)
                 for q, lab in zip(part, labels):
                     q.topk_ids, q.topk_logprobs = lab["topk_ids"], lab["topk_logprobs"]  # (L - P, K)
-            for j, i in enumerate(idx):
-                seqs[i] = part[j]
-            bar.update(len(idx))
+        bar.update(len(group))
         write_shard(path, seqs)
     bar.close()

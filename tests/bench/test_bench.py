@@ -97,9 +97,18 @@ def test_batch_bench_end_to_end(qfile, tmp_path):
     md.write_text("# Benchmarks\n\n" + OTHER, encoding="utf-8")
     rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "all",
                      "--methods", "ar", "hf", "ngram", "draft", "hf_pld", "--batch-size", "1", "2", "4",
-                     "--max-new-tokens", "12", "--out", str(out), "--markdown", str(md), "--no-progress"])
+                     "--max-new-tokens", "12", "--out", str(out), "--markdown", str(md), "--no-progress", "--refill"])
     assert rc == 0
     res = json.loads((out / "batch" / "batch.json").read_text())
+    assert list(res["queues"]) == ["2", "4"]
+    for B, per in res["queues"].items():  # every question as one queue: greedy rows identical to ar's
+        for name in ("ar", "ngram", "draft"):
+            for refill in ("batch", "row"):
+                rec = per[f"{name}/{refill}"]
+                assert rec["identical"] is True and rec["tokens"] == 4 * 12, (B, name, refill)
+                assert rec["ttft"] > 0 and rec["tpot"] > 0 and rec["dec_tok_s"] >= rec["tok_s"]
+            assert per[f"{name}/row"]["idle"] == 0.0  # no row idles while questions wait
+    assert res["rows"]["4"]["ar"]["ttft"] > 0 and res["rows"]["4"]["ar"]["dec_tok_s"] > 0
     assert list(res["rows"]) == ["1", "2", "4"]
     assert "hf_pld" in res["rows"]["1"] and "hf_pld" not in res["rows"]["4"]
     for B, per in res["rows"].items():
@@ -109,7 +118,7 @@ def test_batch_bench_end_to_end(qfile, tmp_path):
             assert per[name]["tokens"] == per["ar"]["tokens"]
         assert 0.0 <= per["ar"]["idle"] < 1.0
     text = md.read_text()
-    assert OTHER in text and "## Batch size" in text and "| 4 | specref n-gram" in text
+    assert OTHER in text and "## Batch size" in text and "| 4 | specref n-gram" in text and "| refill |" in text
     with pytest.raises(ValueError, match="batch-size"):
         bench_main(["--model", "tiny", "--question-file", str(qfile), "--batch-size", "4", "2"])
 
