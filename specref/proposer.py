@@ -138,6 +138,12 @@ class Proposer(Protocol):
       then at T > 0 the step accepts by Medusa's typical acceptance instead (LOSSY, opt-in).
     - Optional `observe(aux_logits)`: called after the verification forward with the (B, E, V)
       logits of Draft.aux, before update() (lookahead decoding's Jacobi window).
+    - Optional `reset_rows(ctx, rows, hidden)`: the request queue (scheduler.py) put new requests
+      into rows (R,) after an update(): ctx holds their prompts (lengths = prompt lengths, active,
+      nothing generated), the target's cache their prefill (every prompt token but the last), and
+      hidden (R, P, D) its features (None unless `hidden_layers`). The proposer forgets what it knew
+      of those rows and starts them as begin() would, leaving the other rows as they are; it draws
+      no random numbers. A proposer without it is scheduled in static batches (begin() per batch).
     """
 
     k: int
