@@ -10,6 +10,7 @@ ngram, lookahead, eagle_head (+ eagle_tree, eagle3), medusa_heads (+ medusa_tree
 training/ (data and training of the learned proposers), bench/ (Spec-Bench side by side). Heavy
 submodules (models, training, bench) import their optional dependencies lazily.
 """
+from .batch_k import BatchKConfig, BatchKProposer, StepCosts
 from .draft_model import DraftModelConfig, DraftModelProposer, load_trained_draft, truncated_draft
 from .eagle3 import Eagle3Head, load_eagle3
 from .eagle_head import EagleConfig, EagleHead, EagleProposer, load_eagle
@@ -47,13 +48,13 @@ def load_default(*args, **kwargs):
 
 
 __all__ = [  # sorted
-    "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "Eagle2Config",
+    "BatchKConfig", "BatchKProposer", "ChainResult", "Context", "Draft", "DraftModelConfig", "DraftModelProposer", "Eagle2Config",
     "Eagle2Proposer", "Eagle3Head", "EagleConfig", "EagleHead", "EagleProposer", "GREEDY",
     "GenerationOutput", "GenerationStats", "HybridConfig", "HybridProposer", "LookaheadConfig",
     "LookaheadProposer", "METHODS", "MLPSpeculator", "MLPSpeculatorConfig", "MLPSpeculatorProposer", "MTPConfig", "MTPProposer", "MTPStack", "MedusaConfig", "MedusaHeads",
     "MedusaProposer", "NgramConfig", "NgramProposer", "NullProposer", "PickerConfig", "Proposer",
     "Recommendation", "Registry", "Report", "Request", "SIBLING_KINDS", "SampledTree", "SamplingConfig",
-    "ScheduleOutput", "SpecCache", "Target",
+    "ScheduleOutput", "SpecCache", "StepCosts", "Target",
     "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",

@@ -91,6 +91,7 @@ class DraftModelProposer:
             self.token_map = token_map
             self.vocab_size = int(vocab_size)
         self.cache: Optional[SpecCache] = None
+        self.variable_k = True  # batch_k.py may lower self.k for one propose() (it drafts k tokens then)
         self.done = None  # (B,) context tokens whose K/V the draft cache holds
         self.ctx_len = None  # (B,) context length at the last propose (= done after an update)
 

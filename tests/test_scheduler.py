@@ -8,6 +8,7 @@ import torch
 
 from _stats import power_rows
 from specref import oracle
+from specref.batch_k import BatchKConfig, BatchKProposer
 from specref.draft_model import DraftModelConfig, DraftModelProposer
 from specref.generate import NullProposer, autoregressive_generate, speculative_generate
 from specref.models import perturbed_copy, tiny_model
@@ -145,10 +146,25 @@ def test_zero_budget_and_errors():
         schedule(target, NullProposer(), [[1]], batch_size=2)
 
 
+class _Cycle:
+    """Step costs under which each step's best k cycles through 0, 1, ..., K (a test double of
+    batch_k.StepCosts: choose_k asks step(B, k) for k = 0..K once per step)."""
+
+    def __init__(self, K):
+        self.K, self.calls = K, 0
+
+    def step(self, B, k):
+        best = (self.calls // (self.K + 1)) % (self.K + 1)
+        self.calls += 1
+        return 1.0 if k == best else 100.0
+
+
 @pytest.mark.two_threads
 @pytest.mark.parametrize("case", [
     # (method, temperature, top_k, prompt)
-    ("draft", 0.7, 5, (3, 1, 4, 1, 5)),  # a sampled draft with q, temperature + top-k
+    ("draft", 0.7, 5, (3, 1, 4, 1, 5)),  # a sampled draft with q, temperature + top-k, each step's k
+    # 0, 1 or 2 (batch_k.py, k = 0: plain decoding) and each row's draft cut at its first token with
+    # q < 0.8 (so k changes per step and per row)
     ("ngram", 0.7, 5, (9, 10, 11, 12, 3, 1, 4, 1, 5)),  # a deterministic draft (q = None); the
     # prompt holds the target's likely continuations, so that most requests draft and accept
 ])
@@ -169,13 +185,17 @@ def test_refilled_rows_lossless(case):
     rest = [Request(prompt, max_new_tokens=L)] * n + fill[B:]
     order = rng.permutation(len(rest))
     reqs = fill[:B] + [rest[i] for i in order]
-    out = schedule(target, _proposers(draft)[method](), reqs, batch_size=B, temperature=temperature, top_k=top_k,
+    prop = _proposers(draft)[method]()
+    if method == "draft":
+        prop = BatchKProposer(prop, BatchKConfig(costs=_Cycle(prop.k), threshold=0.8))
+    out = schedule(target, prop, reqs, batch_size=B, temperature=temperature, top_k=top_k,
                    seed=zlib.crc32(repr(case).encode()))
     tested = np.array([out.tokens[B + j] for j, i in enumerate(order) if i < n])  # (n, L)
     assert tested.shape == (n, L)
     assert out.stats.idle_row_steps == 0
     if method == "draft":
         assert 0.3 < out.stats.acceptance_rate < 0.95
+        assert set(prop.ks) == {0, 1, 2} and int(prop.cuts) > 0.03 * n  # k per step, and per row
     else:
         assert out.stats.num_accepted_tokens > 0.3 * n  # the n-gram drafts are accepted, often
     res = oracle.chi_square_gof(oracle.counts(oracle.joint_index(tested, V), V ** L), exact)
