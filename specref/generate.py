@@ -337,7 +337,8 @@ def _accept(block: _Block, draft: Draft, run: Run):
 
 def _check_rule(run: Run, draft: Draft) -> None:
     """ValueError naming verify when the draft cannot take the run's rule: block verification judges
-    one chain, traversal verification a tree whose siblings were drawn without replacement."""
+    one chain, traversal verification a tree whose siblings were drawn without replacement (at T > 0;
+    greedy decoding is exact match under every rule, whatever the siblings' kind)."""
     if run.verify == "tokenwise":
         return
     who = type(run.proposer).__name__
@@ -348,6 +349,8 @@ def _check_rule(run: Run, draft: Draft) -> None:
         if not draft.is_tree or draft.parents is None:
             raise ValueError(f"verify='traversal' verifies trees, but {who} drafted a chain: use verify='block' "
                              "(its rule on a chain) or 'tokenwise'")
+        if run.sampling.greedy:  # exact match under every rule: the drafts' kind plays no part
+            return
         kinds = draft.siblings if draft.q is not None else "deterministic"
         if isinstance(kinds, torch.Tensor):
             kinds = kinds.unique().tolist()
