@@ -10,7 +10,7 @@ Exact laws checked:
   - the accepted length: E[tau] exactly (every draft enumerated, Algorithm 2's h_i in scalars), strictly
     above token-wise's exact E[tau] on this case (Sun et al.: never below it).
 The product rule (vLLM-Ascend's mutant, lossless_selftest.block_product_rule) fails the same test.
-The whole loop: test_verify_rules.py.
+The whole loop: test_verify_rules.py. Results and input checks come from rejection_common.py.
 """
 import itertools
 
