@@ -79,7 +79,7 @@ WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "hydra", "mtp", "mlp_specu
 
 def weights_item(s: str) -> tuple:
     """argparse type of `--weights KIND=PATH`: KIND one of WEIGHT_KINDS, PATH an existing file (or
-    a published head's folder: eagle, eagle3, medusa; published.py)."""
+    a published head's folder: eagle, eagle3, medusa; specref/published/)."""
     import argparse
     import os
 
