@@ -62,7 +62,7 @@ __all__ = [  # sorted
     "load_eagle", "load_eagle3", "load_medusa", "load_mlp_speculator", "load_mtp", "load_native_mtp",
     "load_published_mlp_speculator", "load_trained_draft",
     "logits_to_probs", "make_generators", "measure_cost", "measure_verify_cost", "optimal_k",
-    "propose_ngram", "recommend", "samples_for_tv", "schedule", "speculative_generate", "speedup", "tree_from_sequences",
-    "truncated_draft", "tv_distance", "verify_chain", "verify_chain_greedy", "verify_tree", "verify_tree_greedy",
-    "verify_tree_typical",
+    "propose_ngram", "recommend", "samples_for_tv", "schedule", "speculative_generate", "speedup",
+    "tree_from_sequences", "truncated_draft", "tv_distance", "verify_chain", "verify_chain_block", "verify_chain_greedy",
+    "verify_tree", "verify_tree_greedy", "verify_tree_traversal", "verify_tree_typical",
 ]

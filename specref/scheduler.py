@@ -175,9 +175,11 @@ class _Scheduler:
         kw = dict(self.kwargs)
         kw["max_new_tokens"] = most
         config, tokenizer = kw.pop("generation_config", None), kw.pop("tokenizer", None)
+        verify = kw.pop("verify", "tokenwise")  # speculative_generate's verification rule
         settings = _settings(kw)  # what is left in kw: generate-style keywords (do_sample, ...)
         run, hooks = prepare(self.tgt, self.proposer, ids, mask, config, kw, settings,
-                             [self.gens[i] for i in first], None, max_len, tokenizer, None, False, self.t_start)
+                             [self.gens[i] for i in first], None, max_len, tokenizer, None, False, self.t_start,
+                             verify)
         self.run_, self.budgets = run, budgets
         dev = self.tgt.device
         ctx = run.ctx
