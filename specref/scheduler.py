@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -307,6 +307,7 @@ class _Scheduler:
     def _output(self) -> ScheduleOutput:
         s = self.stats
         s.wall_time = time.perf_counter() - self.t_start
+        self.tokens = [[] if t is None else t for t in self.tokens]  # max_time: requests never started
         s.row_tokens = [len(t) for t in self.tokens]
         s.row_first_token, s.row_latency = self.first, self.last
         s.first_token_time = sum(self.first) / max(len(self.first), 1)
