@@ -10,10 +10,13 @@ import torch
 
 from _stats import power_sample_size
 from specref import oracle
+from specref.draft_model import DraftModelConfig, DraftModelProposer, truncated_draft
 from specref.generate import autoregressive_generate, speculative_generate
+from specref.hybrid import HybridConfig, HybridProposer
 from specref.models import tiny_model
 from specref.oracle.exact import hf_joint_distribution
 from specref.sampling import SamplingConfig
+from specref.registry import Registry
 from specref.suffix import SuffixConfig, SuffixProposer, max_spec
 from specref.suffix_tree import SuffixCache, SuffixTree
 
@@ -168,16 +171,17 @@ class _EstimatesAsQ(SuffixProposer):
         return dataclasses.replace(d, q=q)
 
 
-def _whole_loop(target, cls, cfg, n=50_000, L=2):
+def _whole_loop(target, make, n=50_000, L=2):
     """Rows of two prompts (ragged, left-padded) at T = 1; the global tree holds 40 earlier outputs
     of prompt a (its exact continuations), so a's rows draft from it and b's rows (a repetitive
     prompt) from their own trees. Returns (exact, counts, result, stats, proposer)."""
     a, b = torch.tensor([3, 1, 4, 1, 5, 7, 2, 6, 5, 3, 5]), torch.tensor([7, 2, 7, 2, 7])
     ea, eb = (hf_joint_distribution(target, x, L, SamplingConfig(1.0)).numpy() for x in (a, b))
-    prop = cls(cfg)
+    prop = make()
+    cache = prop.ngram.cache if isinstance(prop, HybridProposer) else prop.cache
     rng = np.random.default_rng(0)
     for j in rng.choice(V ** L, size=40, p=ea / ea.sum()):
-        prop.cache.extend(prop.cache.start(), a.tolist() + [int(j) // V, int(j) % V])
+        cache.extend(cache.start(), a.tolist() + [int(j) // V, int(j) % V])
     ids, mask = _ragged(n, a, b)
     out = speculative_generate(target, prop, ids, mask, max_new_tokens=L, temperature=1.0,
                                generator=torch.Generator().manual_seed(3))
@@ -194,7 +198,7 @@ def test_whole_loop_lossless_ragged(target, tree):
     """Joint of (prompt, first 2 tokens) vs exact, 50,000 rows of two prompt lengths in one batch
     (power >= 0.99 against TV 0.02 at 1e-3 asserted); both trees draft, most drafts are partly kept."""
     cfg = SuffixConfig(k=3 if tree else 2, tree=tree, max_cached_requests=10 ** 6)
-    exact, counts, res, s, prop = _whole_loop(target, SuffixProposer, cfg)
+    exact, counts, res, s, prop = _whole_loop(target, lambda: SuffixProposer(cfg))
     assert power_sample_size(exact, 50_000) <= 50_000
     assert res.p_value > 1e-3, res
     assert min(prop.source_counts) > 20_000, prop.source_counts  # the request's and the global tree
@@ -203,9 +207,50 @@ def test_whole_loop_lossless_ragged(target, tree):
 
 @pytest.mark.two_threads
 def test_lossy_control_fails_the_same_test(target):
-    exact, counts, res, s, _ = _whole_loop(target, _EstimatesAsQ, SuffixConfig(k=2, max_cached_requests=10 ** 6))
+    exact, counts, res, s, _ = _whole_loop(target, lambda: _EstimatesAsQ(SuffixConfig(k=2, max_cached_requests=10 ** 6)))
     tv = 0.5 * float(np.abs(counts / counts.sum() - exact).sum())
     assert res.p_value < 1e-12 and tv > 0.05, (res, tv)  # measured: TV 0.096
+
+
+def _hybrid(target, tree=False, min_score=1.5, k=2, **kw):
+    """SuffixDecoding where its score reaches min_score, else a 1-layer truncated draft (sampled q)."""
+    return HybridProposer(SuffixProposer(SuffixConfig(k=3, tree=tree, min_score=min_score, **kw)),
+                          DraftModelProposer(truncated_draft(target, 1), DraftModelConfig(k=k)))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_hybrid_greedy_parity_and_both_sources(target, tree):
+    ids, mask = _left_padded([torch.tensor(x) for x in ([3, 1, 4, 1, 5, 7, 2, 6, 5, 3, 5], [7, 2, 7, 2, 7],
+                                                        [1, 6, 1, 6, 0, 3, 4, 2])])
+    ref = autoregressive_generate(target, ids, mask, max_new_tokens=24, temperature=0.0)
+    prop = _hybrid(target, tree)
+    out = speculative_generate(target, prop, ids, mask, max_new_tokens=24, temperature=0.0)
+    assert torch.equal(out.tokens, ref.tokens) and min(prop.source_counts) > 0, prop.source_counts
+    with pytest.raises(ValueError, match="chain drafts only"):
+        HybridProposer(SuffixProposer(SuffixConfig(tree=True)), prop.learned, HybridConfig(mode="tree"))
+
+
+@pytest.mark.two_threads
+def test_hybrid_suffix_tree_whole_loop(target):
+    """The hybrid at T = 1: suffix trees (deterministic nodes) and sampled draft-model chains (q) in
+    one tree draft, one sibling kind per node; the same ragged test as above."""
+    exact, counts, res, s, prop = _whole_loop(target, lambda: _hybrid(target, True, 1.0, max_cached_requests=10 ** 6))
+    assert power_sample_size(exact, 50_000) <= 50_000
+    assert res.p_value > 1e-3, res
+    assert min(prop.source_counts) > 5_000, prop.source_counts
+
+
+def test_registry_keeps_one_cache_per_method():
+    m = tiny_model("llama", vocab_size=64, init_std=0.2)
+    reg = Registry(m, kind="tiny", draft_k=2)
+    a, b = reg.proposer("suffix"), reg.proposer("suffix")
+    assert a is not b and a.cache is b.cache and reg.proposer("suffix_tree").cache is not a.cache
+    assert reg.proposer("suffix_tree").config.tree and not a.config.tree
+    h = reg.proposer("hybrid_suffix")
+    assert isinstance(h, HybridProposer) and h.ngram.config.min_score == h.learned.k
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    speculative_generate(m, a, ids, max_new_tokens=5, temperature=0.0)
+    assert b.cache.requests == [0, 1] and "SuffixDecoding" in reg.label("hybrid_suffix")
 
 
 def test_config_errors():
