@@ -30,6 +30,7 @@ from .published import load_native_mtp, load_published_mlp_speculator
 from .registry import METHODS, Registry
 from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
+from .suffix import SuffixConfig, SuffixProposer
 from .target import Target, TargetConfig
 from .theory import expected_tokens, optimal_k, speedup
 from .tree import SIBLING_KINDS, SampledTree, tree_from_sequences
@@ -51,7 +52,8 @@ __all__ = [  # sorted
     "GenerationOutput", "GenerationStats", "HybridConfig", "HybridProposer", "LookaheadConfig",
     "LookaheadProposer", "METHODS", "MLPSpeculator", "MLPSpeculatorConfig", "MLPSpeculatorProposer", "MTPConfig", "MTPProposer", "MTPStack", "MedusaConfig", "MedusaHeads",
     "MedusaProposer", "NgramConfig", "NgramProposer", "NullProposer", "PickerConfig", "Proposer",
-    "Recommendation", "Registry", "Report", "SIBLING_KINDS", "SampledTree", "SamplingConfig", "SpecCache", "Target",
+    "Recommendation", "Registry", "Report", "SIBLING_KINDS", "SampledTree", "SamplingConfig", "SpecCache", "SuffixConfig",
+    "SuffixProposer", "Target",
     "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",
