@@ -62,6 +62,6 @@ __all__ = [  # sorted
     "load_published_mlp_speculator", "load_trained_draft",
     "logits_to_probs", "make_generators", "measure_cost", "measure_verify_cost", "optimal_k",
     "propose_ngram", "recommend", "samples_for_tv", "speculative_generate", "speedup", "tree_from_sequences",
-    "truncated_draft", "tv_distance", "verify_chain", "verify_chain_greedy", "verify_tree", "verify_tree_greedy",
-    "verify_tree_typical",
+    "truncated_draft", "tv_distance", "verify_chain", "verify_chain_block", "verify_chain_greedy", "verify_tree",
+    "verify_tree_greedy", "verify_tree_traversal", "verify_tree_typical",
 ]

@@ -124,6 +124,7 @@ def speculative_generate(
     streamer=None,
     return_sequences: bool = False,
     pad_token_id: Optional[int] = UNSET,
+    verify: str = "tokenwise",
     **generation_kwargs,
 ) -> GenerationOutput:
     """Generate up to max_new_tokens per row with speculative decoding.
@@ -149,6 +150,12 @@ def speculative_generate(
     tokens. return_sequences: also return `sequences`, prompt + new tokens padded with pad_token_id
     as model.generate returns them. max_time (transformers' MaxTimeCriteria): no step starts once
     the call has run max_time seconds (prefill included); the rows end where they are.
+    verify: the rule of step 3 at T > 0 (VERIFY_RULES; every one lossless): "tokenwise" (Leviathan et
+    al.; SpecInfer's recursive rejection for trees), "block" (chains: Sun et al.'s block verification,
+    block_verify.py; a deterministic chain, q None, stays token-wise: block gains nothing there) or
+    "traversal" (trees of siblings drawn without replacement: Weng et al.'s traversal verification,
+    traversal.py). A rule the draft cannot take (block on a tree, traversal on a chain or on other
+    sibling kinds) is a ValueError naming verify. Greedy decoding is exact match under every rule.
     Returns GenerationOutput(tokens (B, max_new_tokens) -1 padded, num_tokens (B,), stats[, sequences]).
     """
     t_start = time.perf_counter()
@@ -157,7 +164,7 @@ def speculative_generate(
                               max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               logits_processor=logits_processor, stop_strings=stop_strings),
-                         generator, seed, max_len, tokenizer, streamer, return_sequences, t_start)
+                         generator, seed, max_len, tokenizer, streamer, return_sequences, t_start, verify)
     stats = GenerationStats()
     hooks.on_start()
     if run.max_new_tokens > 0:
@@ -287,13 +294,15 @@ def _verify_tree(run: Run, draft: Draft, pending: torch.Tensor, budget: torch.Te
 
 
 def _accept(block: _Block, draft: Draft, run: Run):
-    """3. The rejection step (rejection.py): greedy exact match, or speculative sampling against p
-    (or, when the proposer sets `acceptance_rule`, Medusa's typical acceptance: typical.py, lossy).
+    """3. The rejection step (rejection.py): greedy exact match, or speculative sampling against p by
+    the run's rule (run.verify: token-wise, block or traversal; or, when the proposer sets
+    `acceptance_rule`, Medusa's typical acceptance: typical.py, lossy).
     rejection.py runs unchecked (validate=False): the drafts are the library's own or passed
     check_draft. With one generator per row each row draws a fixed k + 1 uniforms (a chain).
     Returns (StepResult, {name: tensor}) the distributions the hooks check for NaN / inf."""
     N, sampling, generator, rule = block.tokens.shape[1], run.sampling, run.generator, run.acceptance_rule
-    if sampling.greedy:
+    _check_rule(run, draft)
+    if sampling.greedy:  # every lossless rule is exact match here
         if block.parents is None:
             res = rejection.verify_chain_greedy(block.tokens, block.logits, lengths=block.lengths, validate=False)
             return StepResult(res.tokens, res.num_accepted), {}
@@ -309,9 +318,9 @@ def _accept(block: _Block, draft: Draft, run: Run):
         res = typical.verify_tree_typical(block.tokens, par, p, rule, lengths=block.lengths, generator=generator,
                                           validate=False)
         return StepResult(res.tokens, res.num_accepted, res.path if block.parents is not None else None), seen
-    if block.parents is None:
-        res = rejection.verify_chain(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False,
-                                     draws=run.k + 1)
+    if block.parents is None:  # block verification gains nothing for a deterministic chain (q None)
+        rule_fn = rejection.verify_chain_block if run.verify == "block" and q is not None else rejection.verify_chain
+        res = rule_fn(block.tokens, p, q, lengths=block.lengths, generator=generator, validate=False, draws=run.k + 1)
         return StepResult(res.tokens, res.num_accepted), seen
     # the Draft's own sibling kinds (checks.check_siblings paired them with its q), never guessed; a chain
     # verified as a tree (with aux tokens) has one child per node, where every rule is "sampled"'s
@@ -320,9 +329,36 @@ def _accept(block: _Block, draft: Draft, run: Run):
         siblings = siblings[:N]
     elif isinstance(siblings, torch.Tensor):
         siblings = siblings[..., :N].to(p.device)  # (B, N) or (N,)
-    res = rejection.verify_tree(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator,
-                                validate=False, siblings=siblings)
+    rule_fn = rejection.verify_tree_traversal if run.verify == "traversal" else rejection.verify_tree
+    res = rule_fn(block.tokens, block.parents, p, q, lengths=block.lengths, generator=generator, validate=False,
+                  siblings=siblings)
     return StepResult(res.tokens, res.num_accepted, res.path), seen
+
+
+def _check_rule(run: Run, draft: Draft) -> None:
+    """ValueError naming verify when the draft cannot take the run's rule: block verification judges
+    one chain, traversal verification a tree whose siblings were drawn without replacement (at T > 0;
+    greedy decoding is exact match under every rule, whatever the siblings' kind)."""
+    if run.verify == "tokenwise":
+        return
+    who = type(run.proposer).__name__
+    if run.verify == "block" and draft.is_tree:
+        raise ValueError(f"verify='block' verifies chains, but {who} drafted a tree: use verify='tokenwise', or "
+                         "verify='traversal' for siblings drawn without replacement")
+    if run.verify == "traversal":
+        if not draft.is_tree or draft.parents is None:
+            raise ValueError(f"verify='traversal' verifies trees, but {who} drafted a chain: use verify='block' "
+                             "(its rule on a chain) or 'tokenwise'")
+        if run.sampling.greedy:  # exact match under every rule: the drafts' kind plays no part
+            return
+        kinds = draft.siblings if draft.q is not None else "deterministic"
+        if isinstance(kinds, torch.Tensor):
+            kinds = kinds.unique().tolist()
+        kinds = [tree.SIBLING_KINDS[k] if isinstance(k, int) else k for k in
+                 (kinds if isinstance(kinds, (list, tuple)) else [kinds])]
+        if any(k != "without" for k in kinds):
+            raise ValueError(f"verify='traversal' covers siblings drawn without replacement (Draft.siblings="
+                             f"'without'), but {who} drafts siblings={sorted(set(kinds))}: use verify='tokenwise'")
 
 
 def _kept(step: StepResult, budget: torch.Tensor, active: torch.Tensor, eos: torch.Tensor):

@@ -24,6 +24,8 @@ from .sampling import Generators, SamplingConfig, make_generators
 from .target import Target
 from .typical import TypicalAcceptance
 
+VERIFY_RULES = ("tokenwise", "block", "traversal")  # speculative_generate(verify=...): the lossless rules of step 3
+
 
 @dataclass
 class Run:
@@ -35,6 +37,7 @@ class Run:
     generator: Generators  # one per row (or one for the batch)
     k: int  # the proposer's k: at most k draft tokens (tree nodes) per step
     acceptance_rule: Optional[TypicalAcceptance]  # None: rejection sampling; Medusa's typical (lossy)
+    verify: str  # the rule of step 3 at T > 0, one of VERIFY_RULES
     hidden_layers: Optional[tuple]  # target layers whose features the proposer reads (EAGLE), or None
     eos: torch.Tensor  # (E,) eos ids
     max_new_tokens: int
@@ -46,9 +49,10 @@ class Run:
 
 
 def prepare(target, proposer, input_ids, attention_mask, generation_config, generation_kwargs, settings,
-            generator, seed, max_len, tokenizer, streamer, return_sequences, started: float):
+            generator, seed, max_len, tokenizer, streamer, return_sequences, started: float, verify: str = "tokenwise"):
     """(Run, Hooks) for one call; `settings` holds speculative_generate's sampling keywords as
-    passed, `started` the call's start on the host clock (max_time counts from it)."""
+    passed, `started` the call's start on the host clock (max_time counts from it), `verify` the
+    rule of step 3 (VERIFY_RULES; whether the drafts can take it is checked at the first step)."""
     tgt = target if isinstance(target, Target) else Target(target)
     cfg = hf_generation.resolve(tgt.model, generation_config, generation_kwargs, vocab=tgt.vocab_size, **settings)
     procs = cfg.procs if cfg.procs else None
@@ -67,6 +71,11 @@ def prepare(target, proposer, input_ids, attention_mask, generation_config, gene
     rule = getattr(proposer, "acceptance_rule", None)  # None: rejection sampling; Medusa's typical (lossy)
     if rule is not None and not isinstance(rule, TypicalAcceptance):
         raise ValueError(f"{who}.acceptance_rule must be None or a TypicalAcceptance, got {type(rule).__name__}")
+    if verify not in VERIFY_RULES:
+        raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+    if verify != "tokenwise" and rule is not None:
+        raise ValueError(f"verify={verify!r} with {who}.acceptance_rule (typical acceptance, lossy): the lossless "
+                         "rules replace rejection sampling, not typical acceptance; use verify='tokenwise'")
     hidden_layers = getattr(proposer, "hidden_layers", None)  # features the proposer reads (EAGLE), or None
     if hidden_layers is not None and (not isinstance(hidden_layers, tuple) or not hidden_layers
                                       or not all(isinstance(i, int) for i in hidden_layers)):
@@ -102,7 +111,7 @@ def prepare(target, proposer, input_ids, attention_mask, generation_config, gene
     num_new = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
     if return_sequences and cfg.pad_token_id is None:
         raise ValueError("return_sequences needs pad_token_id (pass it, or set it in the generation_config)")
-    run = Run(tgt, proposer, sampling, generator, k, rule, hidden_layers, eos, max_new_tokens, longest,
+    run = Run(tgt, proposer, sampling, generator, k, rule, verify, hidden_layers, eos, max_new_tokens, longest,
               out_tokens, num_new)
     hooks = Hooks(B, tgt.vocab_size, k, who, trusted, sampling.greedy, procs, stops, streamer, cfg.max_time,
                   started, rows[0], input_ids, return_sequences, cfg.pad_token_id)

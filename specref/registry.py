@@ -53,6 +53,23 @@ LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid"
            "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator", "hybrid_suffix": "eagle"}
 
 
+TREES = {"eagle2", "eagle3_tree", "hybrid_tree", "hybrid_eagle2", "medusa", "medusa_typical", "hybrid_medusa",
+         "hydra", "hybrid_hydra", "lookahead"}  # methods that draft token trees (the rest: chains, or nothing)
+
+
+def verify_rules(name: str) -> Tuple[str, ...]:
+    """The rules of speculative_generate(verify=...) a method takes (prepare.VERIFY_RULES). Token-wise:
+    every one. "block" (Sun et al.): the chain methods (a deterministic chain, q None, is verified
+    token-wise under it: block verification gains nothing there). "traversal" (Weng et al.): trees of
+    siblings drawn without replacement, which none of these methods drafts (top-k siblings, or an
+    n-gram and a head's draw side by side), so none takes it. "ar" and the lossy typical acceptance:
+    token-wise only."""
+    check_method(name)
+    if name in ("ar", "medusa_typical") or name in TREES:
+        return ("tokenwise",)
+    return ("tokenwise", "block")
+
+
 def check_method(name: str) -> str:
     """name, or ValueError listing the valid ones."""
     if name not in METHODS:
@@ -65,7 +82,7 @@ WEIGHT_KINDS = ("draft", "eagle", "eagle3", "medusa", "hydra", "mtp", "mlp_specu
 
 def weights_item(s: str) -> tuple:
     """argparse type of `--weights KIND=PATH`: KIND one of WEIGHT_KINDS, PATH an existing file (or
-    a published head's folder: eagle, eagle3, medusa; published.py)."""
+    a published head's folder: eagle, eagle3, medusa; specref/published/)."""
     import argparse
     import os
 

@@ -14,7 +14,7 @@ from specref import oracle
 from specref.generate import autoregressive_generate, speculative_generate
 from specref.models import tiny_model
 from specref.mtp import MTPConfig, MTPProposer, MTPStack, load_mtp, mtp_info
-from specref.published import load_native_mtp
+from specref.published.native import load_native_mtp
 from specref.oracle.exact import hf_joint_distribution
 from specref.proposer import Context
 from specref.sampling import SamplingConfig

@@ -1,4 +1,4 @@
-"""Tests of published.py: tiny checkpoints written here in the published EAGLE-1/2, EAGLE-3 and
+"""Tests of specref.published: tiny checkpoints written here in the published EAGLE-1/2, EAGLE-3 and
 Medusa layouts (names, shapes, config fields as their authors ship them) load onto specref's head
 classes; drafts equal those of the same weights set through specref's own names (mapping); greedy
 parity with plain decoding (chains, EAGLE-2 trees, Medusa trees); the whole loop's chi-square at
@@ -267,7 +267,7 @@ def test_whole_loop_lossless(target, tmp_path, kind, temperature, top_k):
 def test_refusals(target, tmp_path):
     write_eagle(target, tmp_path / "e")
     torch.save({"fc.weight": torch.zeros(2)}, tmp_path / "p.bin")
-    with pytest.raises(ValueError, match="convert it to safetensors"):
+    with pytest.raises(ValueError, match="does not match the EAGLE-1/2 head layout"):  # read weights-only
         load_published_eagle(target, tmp_path / "p.bin")
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     (tmp_path / "e" / "config.json").write_text(json.dumps({**cfg, "hidden_size": 4096, "vocab_size": 128256}))

@@ -141,7 +141,7 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
     """(methods in run order, {skipped name: reason}). specref's methods are registry.py's, built
     for this model (cfg.model "default": the committed weights; "tiny": untrained ones)."""
     from ..generate import autoregressive_generate, speculative_generate
-    from ..registry import LEARNED, METHODS, Registry
+    from ..registry import LEARNED, METHODS, Registry, verify_rules
 
     N, T, dev = cfg.max_new_tokens, cfg.temperature, model.device
     V = int(model.get_output_embeddings().weight.shape[0])
@@ -152,9 +152,11 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
     methods: List[Method] = []
     skipped: Dict[str, str] = {}
 
-    def spec(name):
+    def spec(name):  # cfg.verify where the method takes it (registry.verify_rules), else token-wise
+        rule = cfg.verify if cfg.verify in verify_rules(name) else "tokenwise"
         return lambda ids, max_len, seed, n=N, mask=None: _spec_record(speculative_generate(
-            target, reg.proposer(name), ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n}))
+            target, reg.proposer(name), ids, mask, seed=seed, max_len=max_len, verify=rule,
+            **{**gen, "max_new_tokens": n}))
 
     def hf(extra, counter):
         def run(ids, max_len, seed, n=N, mask=None):

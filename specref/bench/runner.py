@@ -92,6 +92,7 @@ class BenchConfig:
     # "workload": as `python -m specref pick` would, on its own seeded sample of EVERY prompt of the
     # file (chosen categories), stratified by category, within the automatic budget (calibrate.budget_for)
     weights: tuple = ()  # ((kind, path), ...): trained weights instead of the committed ones (registry.py)
+    verify: str = "tokenwise"  # speculative_generate(verify=...) for the methods that take it (registry.verify_rules)
 
 
 # ----------------------------------------------------------------------------- questions
@@ -248,7 +249,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
                         "weights": [(kind, portable_name(p)) for kind, p in cfg.weights]},
                 skipped=skipped, num_questions=len(questions), machine=machine,
                 labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},
-                ks={m.name: m.k for m in methods}, cache="fixed" if fixed else "per question, 128-slot buckets")
+                ks={m.name: m.k for m in methods}, verify=_rules(cfg, methods), cache="fixed" if fixed else "per question, 128-slot buckets")
     meta["machine"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     meta["duration_s"] = time.perf_counter() - t_start
     meta["timed_loop_s"] = t_loop
@@ -263,6 +264,14 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
                                 prompts_used=cal.prompts_used, prompts_given=cal.prompts_given,
                                 sample=[dict(question_id=pool[i]["question_id"], category=g) for i, g in cal.sample()])
     return result
+
+
+def _rules(cfg: BenchConfig, methods) -> Dict[str, str]:
+    """The rule each specref method ran under: cfg.verify where it takes it, else token-wise."""
+    from ..registry import METHODS, verify_rules
+
+    return {m.name: cfg.verify if m.name in METHODS and cfg.verify in verify_rules(m.name) else "tokenwise"
+            for m in methods if m.specref}
 
 
 def _bucket(n: int, step: int = 128) -> int:
@@ -319,6 +328,10 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--pick-from", choices=("benched", "workload"), default="benched",
                     help="picker: calibrate on the benched prompts (all of them), or as `python -m specref pick` "
                          "would, on its own sample of every prompt of the file within the automatic budget")
+    ap.add_argument("--verify", default="tokenwise", choices=("tokenwise", "block", "traversal"),
+                    help="the lossless rule of the rejection step for the methods that take it (registry.verify_rules): "
+                         "block verification for chains, traversal verification for trees drawn without "
+                         "replacement; the others stay token-wise (recorded per method)")
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1],
                     help="batch sizes, e.g. 1 4 16: total throughput per method at each (bench/batch.py); "
                          "writes <out>/batch/batch.json and the batch section of the Markdown file")
@@ -350,7 +363,8 @@ def bench_main(argv=None) -> int:
                       max_new_tokens=a.max_new_tokens, temperature=a.temperature, device=a.device,
                       compile=a.compile, dtype=a.dtype, attn=a.attn, question_file=a.question_file, model=a.model,
                       draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
-                      pick=a.pick, pick_tokens=a.pick_tokens, pick_from=a.pick_from, weights=tuple(a.weights))
+                      pick=a.pick, pick_tokens=a.pick_tokens, pick_from=a.pick_from, weights=tuple(a.weights),
+                      verify=a.verify)
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
     path_flags = {"--question-file", "--out", "--markdown"}  # recorded by name: no path of this machine

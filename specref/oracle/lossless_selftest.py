@@ -1,13 +1,13 @@
 """Lossless verifiers that follow other laws than SpecInfer's, and the lossless mode's self-test.
 
-- `block_verify`: block verification (Sun et al. 2024, "Block verification accelerates speculative
-  decoding", Algorithm 2) for chains: with eta_i ~ U(0, 1), the running weight
-  p_i = min(1, p_{i-1} p(X_i | X_<i) / q(X_i | X_<i)) (p_0 = 1) and
-  h_i = sum_x max(0, p_i p(x | X_<=i) - q(x | X_<=i)) / (that sum + 1 - p_i) for i < L, h_L = p_L,
-  it keeps tau = the last i with eta_i <= h_i (0 if none) and emits X_1..X_tau, then y from p(. | X_<=L)
-  when tau = L, else from norm(max(0, p_tau p(. | X_<=tau) - q(. | X_<=tau))). Lossless, and it
-  accepts at least as much as token-wise verification: it fails the token-wise law.
-  `block_product_rule` is a mutant of it: the last i with prod min(1, p_j/q_j) >= prod eta_j (lossy).
+- `block_verify`: block verification (Sun et al. 2025, "Block verification accelerates speculative
+  decoding", Algorithm 2) for chains, the library's public rule (specref.rejection.verify_chain_block,
+  block_verify.py). Lossless, and it accepts at least as much as token-wise verification: it fails the
+  token-wise law. `block_product_rule` is a mutant of it: the last i with prod min(1, p_j/q_j) >= prod
+  eta_j (lossy).
+- `specref.rejection.verify_tree_traversal`: traversal verification (Weng et al. 2025, traversal.py) on
+  the sampled cases (siblings drawn without replacement; it refuses top-k trees): lossless, and not
+  SpecInfer's law below the root's children.
 - `trie_merge_tree`: SpecInfer's rule on the trie of the drafted token paths (tree_selftest.reference_tree
   with merge=True), as EAGLE's evaluate_posterior does for repeated siblings: lossless, not SpecInfer's law.
 - `reversed_siblings_tree`: SpecInfer's rule trying siblings in reverse index order.
@@ -25,7 +25,7 @@ from typing import Callable, List, Tuple
 import numpy as np
 import torch
 
-from ..rejection import ChainResult, verify_chain, verify_tree
+from ..rejection import ChainResult, verify_chain, verify_chain_block, verify_tree, verify_tree_traversal
 from ..sampling import sample_from_probs, uniforms
 from .check import check_rejection_sampler
 from .selftest import MUTANTS, failure_reason, mutant, reference_chain
@@ -36,13 +36,15 @@ from .tree_check import check_tree_sampler
 from .tree_selftest import DRAWN_WITHOUT, TREE_MUTANTS, reference_tree, reference_tree_without, tree_mutant
 
 
+block_verify = verify_chain_block  # the self-test's name of the public rule (the CLI's --sampler path)
 CALIBRATION = 2.0  # the per-prefix test's exact null tail at the per-test threshold stays below this x nominal
 
 
-def block_verify(draft, p, q=None, *, lengths=None, generator=None, product_rule: bool = False) -> ChainResult:
-    """Block verification of B ragged chains: draft (B, K) -1 padded, p (B, K+1, V), q (B, K, V) or None.
-    product_rule=True (a mutant): tau = the last i with prod_{j<=i} min(1, p_j/q_j) >= prod_{j<=i} eta_j
-    instead of eta_i <= h_i (lossy for L >= 2; token-wise verification for L = 1)."""
+def block_product_rule(draft, p, q=None, *, lengths=None, generator=None) -> ChainResult:
+    """The block-verification mutant (vLLM-Ascend's before its fix): tau = the last i with
+    prod_{j<=i} min(1, p_j/q_j) >= prod_{j<=i} eta_j instead of Sun et al.'s eta_i < h_i (lossy for
+    L >= 2; token-wise verification for L = 1), then block verification's final token. Draft (B, K)
+    -1 padded, p (B, K+1, V), q (B, K, V) or None; eta (B, K+1) from one generator, the last for y."""
     B, K = draft.shape
     V = p.shape[-1]
     lengths = torch.full((B,), K, dtype=torch.long) if lengths is None else torch.as_tensor(lengths).long()  # (B,)
@@ -54,28 +56,19 @@ def block_verify(draft, p, q=None, *, lengths=None, generator=None, product_rule
     w = torch.ones(B, dtype=torch.float64)  # (B,) p_0
     ws = [w]  # p_0..p_K
     tau = torch.zeros(B, dtype=torch.long)  # (B,)
-    ratio_prod, eta_prod = torch.ones(B, dtype=torch.float64), torch.ones(B, dtype=torch.float64)  # product_rule
+    ratio_prod, eta_prod = torch.ones(B, dtype=torch.float64), torch.ones(B, dtype=torch.float64)
     for i in range(1, K + 1):
         px, qx = P[rows, i - 1, x[:, i - 1]], Q[rows, i - 1, x[:, i - 1]]  # (B,), (B,)
-        w = torch.where(qx > 0, torch.clamp(w * px / qx.clamp(min=1e-300), max=1.0), torch.zeros_like(w))  # (B,)
+        ratio = torch.where(qx > 0, torch.clamp(px / qx.clamp(min=1e-300), max=1.0), torch.zeros_like(px))  # (B,)
+        w = torch.where(qx > 0, torch.clamp(w * px / qx.clamp(min=1e-300), max=1.0), torch.zeros_like(w))  # (B,) p_i
         ws.append(w)
-        if i < K:
-            num = (w[:, None] * P[:, i] - Q[:, i]).clamp(min=0).sum(1)  # (B,)
-            h = torch.where(num > 0, num / (num + 1.0 - w).clamp(min=1e-300), torch.zeros_like(num))  # (B,)
-        else:
-            h = w
-        h = torch.where(i == lengths, w, h)  # h_L = p_L
-        if product_rule:
-            ratio_prod = ratio_prod * torch.where(qx > 0, torch.clamp(px / qx.clamp(min=1e-300), max=1.0), 0.0)
-            eta_prod = eta_prod * eta[:, i - 1]
-            tau = torch.where((i <= lengths) & (qx > 0) & (ratio_prod >= eta_prod), i, tau)
-            continue
-        tau = torch.where((i <= lengths) & (eta[:, i - 1] <= h), i, tau)
+        ratio_prod, eta_prod = ratio_prod * ratio, eta_prod * eta[:, i - 1]
+        tau = torch.where((i <= lengths) & (qx > 0) & (ratio_prod >= eta_prod), i, tau)
     wt = torch.stack(ws, 1)[rows, tau]  # (B,) p_tau
     p_t = P[rows, tau]  # (B, V)
     q_t = Q[rows, tau.clamp(max=max(K - 1, 0))] if K else torch.zeros_like(p_t)  # (B, V)
     res = (wt[:, None] * p_t - q_t).clamp(min=0)  # (B, V)
-    res = torch.where(res.sum(1, keepdim=True) > 0, res, p_t)  # an empty residual is never reached (h = 0)
+    res = torch.where(res.sum(1, keepdim=True) > 0, res, p_t)  # (B, V)
     dist = torch.where((tau == lengths)[:, None], p_t, res)  # (B, V)
     y = sample_from_probs((dist / dist.sum(1, keepdim=True)).float(), eta[:, K].float())  # (B,)
     tokens = torch.full((B, K + 1), -1, dtype=torch.long)  # (B, K+1)
@@ -84,9 +77,12 @@ def block_verify(draft, p, q=None, *, lengths=None, generator=None, product_rule
     return ChainResult(tokens, tau)
 
 
-def block_product_rule(draft, p, q=None, *, lengths=None, generator=None) -> ChainResult:
-    """The block-verification mutant (block_verify, product_rule=True) in the specref convention."""
-    return block_verify(draft, p, q, lengths=lengths, generator=generator, product_rule=True)
+def drawn_cases(cases):
+    """The cases whose siblings are drawn from a q (the top-k cases left out): traversal verification's."""
+    return tuple(c for c in cases if c.variants[0].tokens is None)
+
+
+TRAVERSAL = "specref.rejection.verify_tree_traversal"
 
 
 def trie_merge_tree(tokens, parents, p, q=None, *, lengths=None, generator=None):
@@ -152,7 +148,7 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
     from .selftest import verdict_line
 
     chain_ok = [("specref.rejection.verify_chain", verify_chain), ("reference_chain", reference_chain),
-                ("block_verify", block_verify)]
+                ("specref.rejection.verify_chain_block", verify_chain_block)]
     tree_ok = [("specref.rejection.verify_tree", verify_tree, "iid"), ("reference_tree", reference_tree, "iid"),
                ("reference_tree_without", reference_tree_without, "without"), ("trie_merge_tree", trie_merge_tree, "iid"),
                ("trie_merge_tree (trie drafts)", trie_merge_tree, "trie"),
@@ -164,6 +160,8 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
              for n, f, s in tree_ok]
     runs += [(m, lambda m=m: check_tree_sampler(tree_mutant(m), siblings="without" if m in DRAWN_WITHOUT else "iid", **tc),
               False) for m in TREE_MUTANTS]
+    drawn = drawn_cases(standard_tree_cases() if tree_cases is None else tree_cases)  # traversal refuses top-k trees
+    runs += [(TRAVERSAL, lambda: check_tree_sampler(verify_tree_traversal, siblings="without", **{**tc, "cases": drawn}), True)]
     stricter = [("block_verify (tokenwise law)", lambda: check_rejection_sampler(block_verify, law="tokenwise", samples=samples, seed=seed)),
                 ("trie_merge_tree (specinfer law)", lambda: check_tree_sampler(trie_merge_tree, law="specinfer", **tc)),
                 ("trie_merge_tree (specinfer law, trie drafts)",
@@ -193,6 +191,8 @@ def lossless_self_test(samples: int = 4000, seed: int = 0, ks_runs: int = 0, tre
         powered += [(n, lambda f=f: check_tree_sampler(f, siblings="trie", samples=2 * power_samples, seed=seed,
                                                        cases=shallow(sequence_cases(), 2)))  # sequences of 2
                     for n, f, s in tree_ok if s == "trie"]
+        powered += [(TRAVERSAL, lambda: check_tree_sampler(verify_tree_traversal, siblings="without", samples=power_samples,
+                                                           seed=seed, cases=drawn_cases(ts)))]
         for name, run in powered:  # correct, with the power: PASS
             rep = run()
             good = rep.verdict == "PASS"
