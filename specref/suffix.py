@@ -21,7 +21,7 @@ MAX_SPEC) propose the continuation the workload has produced before.
   the committed history: q = None, Draft.siblings "deterministic" (trie children are distinct
   tokens), and the verification is rejection.py's token-wise rule, lossless for any such draft.
 - Memory cap (the cache): at most `max_cached_requests` requests (vLLM 10,000; 0 turns the global
-  tree off) and at most `max_cached_nodes` nodes (ours: a trie node is ~250 bytes in Python); past
+  tree off) and at most `max_cached_nodes` nodes (ours: a node costs ~140 bytes, measured); past
   either, the oldest request not generating now is evicted with all its suffixes (FIFO, as
   ArcticInference). The rows of the running call are never evicted, so a call of more rows than
   the cap holds them all until it ends.
@@ -65,7 +65,7 @@ class SuffixConfig:
     max_spec_offset: float = 0.0  # offset of MAX_SPEC (ArcticInference; vLLM leaves it 0)
     min_token_prob: float = 0.1  # tau: draft a node only if D(N) >= tau (min_token_prob)
     max_cached_requests: int = 10_000  # requests in the global tree, FIFO eviction; 0 = no global tree
-    max_cached_nodes: Optional[int] = 4_000_000  # ours: nodes of the global tree (~1 GB), FIFO
+    max_cached_nodes: Optional[int] = 4_000_000  # ours: nodes of the global tree (~0.55 GB), FIFO
     # eviction; None = no node cap
     tree: bool = False  # False: one path (vLLM); True: the paper's greedy speculation tree
     min_score: float = 0.0  # draft only where the best score (expected accepted tokens) >= this;

@@ -30,7 +30,9 @@ appended token), stored flat (SuffixTree: an edge dict and int64 arrays, no Pyth
 open suffixes of s by one node each (ArcticInference's window of active nodes); removing s walks its
 suffixes again and decrements, deleting the nodes that reach 0 (they form a chain: a node's count
 bounds its children's). Ties between equally frequent children go to the newest. Pure
-Python: a step costs O(D^2) dict look-ups per row (matching every p), about a millisecond.
+Python: a step costs O(D^2) dict look-ups per row (matching every p); measured here, a row with a
+1,000-token prompt and a 280,000-node global tree: 0.44 ms a step, 33 ms to build the prompt's tree,
+~140 bytes a node.
 """
 from __future__ import annotations
 

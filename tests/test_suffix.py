@@ -212,6 +212,24 @@ def test_lossy_control_fails_the_same_test(target):
     assert res.p_value < 1e-12 and tv > 0.05, (res, tv)  # measured: TV 0.096
 
 
+def test_a_refilled_row_is_a_new_request():
+    """A row whose prompt length changes (a scheduler's refill) or whose context shrinks starts a new
+    request: a new tree from its new prompt, a new id in the global tree; the old one stays cached."""
+    from specref.proposer import Context
+
+    prop = SuffixProposer(SuffixConfig(k=4))
+    tok = torch.tensor([[1, 2, 3, 1, 2, 0, 0], [4, 5, 4, 5, 0, 0, 0]])  # (2, 7)
+    ctx = Context(tokens=tok.clone(), lengths=torch.tensor([5, 4]), active=torch.ones(2, dtype=torch.bool),
+                  prompt_lengths=torch.tensor([3, 4]))
+    prop.begin(ctx, None, None)
+    assert prop.cache.requests == [0, 1] and prop.cache.tree.total == 2  # row 0's output [1, 2]
+    assert prop.propose(ctx, None, None).tokens[0, 0] == 3  # [.., 1, 2] -> 3 (its own tree)
+    ctx.tokens[1] = torch.tensor([6, 6, 6, 0, 0, 0, 0])
+    ctx.lengths, ctx.prompt_lengths = torch.tensor([5, 3]), torch.tensor([3, 3])
+    prop.update(ctx, torch.zeros(2, dtype=torch.long))
+    assert prop.cache.requests == [0, 1, 2] and prop._local[1].seqs[0] == [6, 6, 6]
+
+
 def _hybrid(target, tree=False, min_score=1.5, k=2, **kw):
     """SuffixDecoding where its score reaches min_score, else a 1-layer truncated draft (sampled q)."""
     return HybridProposer(SuffixProposer(SuffixConfig(k=3, tree=tree, min_score=min_score, **kw)),
