@@ -29,9 +29,11 @@ from .picker import PickerConfig, Recommendation, measure_cost, measure_verify_c
 from .proposer import Context, Draft, Proposer
 from .published import load_native_mtp, load_published_mlp_speculator
 from .registry import METHODS, Registry
-from .rejection import ChainResult, TreeResult, verify_chain, verify_chain_greedy, verify_tree, verify_tree_greedy
+from .rejection import (ChainResult, TreeResult, verify_chain, verify_chain_block, verify_chain_greedy, verify_tree,
+                        verify_tree_greedy, verify_tree_traversal)
 from .sampling import GREEDY, SamplingConfig, logits_to_probs, make_generators
 from .scheduler import Request, ScheduleOutput, schedule
+from .suffix import SuffixConfig, SuffixProposer
 from .target import Target, TargetConfig
 from .theory import expected_tokens, optimal_k, speedup
 from .tree import SIBLING_KINDS, SampledTree, tree_from_sequences
@@ -54,7 +56,7 @@ __all__ = [  # sorted
     "LookaheadProposer", "METHODS", "MLPSpeculator", "MLPSpeculatorConfig", "MLPSpeculatorProposer", "MTPConfig", "MTPProposer", "MTPStack", "MedusaConfig", "MedusaHeads",
     "MedusaProposer", "NgramConfig", "NgramProposer", "NullProposer", "PickerConfig", "Proposer",
     "Recommendation", "Registry", "Report", "Request", "SIBLING_KINDS", "SampledTree", "SamplingConfig",
-    "ScheduleOutput", "SpecCache", "StepCosts", "Target",
+    "ScheduleOutput", "SpecCache", "StepCosts", "SuffixConfig", "SuffixProposer", "Target",
     "TargetConfig",
     "TreeResult", "TypicalAcceptance", "autoregressive_generate", "check_generator",
     "check_greedy_verifier", "check_rejection_sampler", "check_tree_sampler", "chi_square_gof",

@@ -1,4 +1,4 @@
-"""`python -m specref demo | generate | pick | oracle | bench | train | data | corpus | rebuild`: the
+"""`python -m specref demo | generate | pick | oracle | bench | train | data | corpus | rebuild | multiturn`: the
 command-line entry points.
 
 demo     - speculative decoding on the embedded default model (SmolLM2-135M-Instruct), greedy and
@@ -14,6 +14,7 @@ train    - training of the draft, the EAGLE head, Medusa heads or MTP modules (t
 data     - the feature store: real text scored teacher-forced by the target (training/store/).
 corpus   - the committed corpus of the target's own answers (training/committed_corpus.py).
 rebuild  - a committed weight file rebuilt from the committed corpus by its chain (training/rebuild.py).
+multiturn - the greedy first answers of a multi-turn workload, stored for its second turns (bench/multiturn.py).
 """
 from __future__ import annotations
 
@@ -315,7 +316,7 @@ def _method_list(s: str) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("oracle", "bench", "train", "data", "corpus", "rebuild"):  # subcommands with their own parsers
+    if argv and argv[0] in ("oracle", "bench", "train", "data", "corpus", "rebuild", "multiturn"):  # own parsers
         if argv[0] == "data":
             from .training.store import data_main as sub_main
         elif argv[0] == "corpus":
@@ -326,6 +327,8 @@ def main(argv=None) -> int:
             from .bench.runner import bench_main as sub_main
         elif argv[0] == "rebuild":
             from .training.rebuild import rebuild_main as sub_main
+        elif argv[0] == "multiturn":
+            from .bench.multiturn import multiturn_main as sub_main
         else:
             from .training.cli import train_main as sub_main
         return sub_main(argv[1:])
@@ -390,6 +393,8 @@ def main(argv=None) -> int:
     sub.add_parser("corpus", help="the committed training corpus: python -m specref corpus --help")
     sub.add_parser("rebuild", help="rebuild a committed weight file from the committed corpus: "
                    "python -m specref rebuild --help")
+    sub.add_parser("multiturn", help="the greedy first answers of a multi-turn workload: python -m specref "
+                   "multiturn --help")
     args = ap.parse_args(argv)
     if args.cmd == "generate" and args.draft is not None and args.method is not None:
         g.error("give --method or --draft, not both")

@@ -36,6 +36,11 @@ up there; it catches up the next time it drafts the row) and is told 0 accepted 
 With batch 1 it is not called at all in a step that prompt lookup takes. A tree proposer as the
 learned part (Medusa) works in "select" mode: its rows keep their tree, prompt lookup's rows are
 chains in the same tree draft; mode "tree" and lookahead (auxiliary tokens) take chains only.
+
+The lookup part may be SuffixDecoding instead of prompt lookup (suffix.py, registry `hybrid_suffix`):
+ArcticInference's hybrid keeps a suffix draft where its score (expected accepted tokens) reaches
+the model drafter's k (SuffixConfig(min_score=k)) and gives the other rows to the model; a suffix
+tree (SuffixConfig(tree=True)) is merged like a learned tree, its rows deterministic nodes.
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ import torch
 from .ngram import NgramProposer
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig
+from .suffix import SuffixProposer
+from .tree import DETERMINISTIC, SIBLING_KINDS, sibling_kinds
 
 
 @dataclass(frozen=True)
@@ -65,21 +72,23 @@ class HybridConfig:
 class HybridProposer:
     """Proposer protocol: rows with a worthwhile prompt-lookup match draft it; the rest draft from
     `learned` (DraftModelProposer, EagleProposer, MedusaProposer or any proposer that honours
-    ctx.active)."""
+    ctx.active). `ngram`: the lookup part, an NgramProposer or a SuffixProposer."""
 
-    def __init__(self, ngram: NgramProposer, learned, config: HybridConfig = HybridConfig()):
-        if not isinstance(ngram, NgramProposer):
-            raise ValueError(f"ngram must be an NgramProposer, got {type(ngram).__name__}")
+    def __init__(self, ngram, learned, config: HybridConfig = HybridConfig()):
+        if not isinstance(ngram, (NgramProposer, SuffixProposer)):
+            raise ValueError(f"ngram must be an NgramProposer or a SuffixProposer, got {type(ngram).__name__}")
         if not all(callable(getattr(learned, m, None)) for m in ("begin", "propose", "update")) \
                 or not isinstance(getattr(learned, "k", None), int):
             raise ValueError(f"learned must implement the Proposer protocol, got {type(learned).__name__}")
-        if isinstance(learned, (NgramProposer, HybridProposer)) or callable(getattr(learned, "observe", None)):
+        if isinstance(learned, (NgramProposer, SuffixProposer, HybridProposer)) or callable(getattr(learned, "observe", None)):
             raise ValueError(f"learned must be a model-based chain proposer, got {type(learned).__name__}")
         if getattr(learned, "acceptance_rule", None) is not None:
             raise ValueError("HybridProposer verifies losslessly: give it a learned proposer without an "
                              "acceptance_rule (e.g. MedusaConfig(acceptance='lossless'))")
         if not isinstance(config, HybridConfig):
             raise ValueError(f"config must be a HybridConfig, got {type(config).__name__}")
+        if config.mode == "tree" and isinstance(ngram, SuffixProposer) and ngram.config.tree:
+            raise ValueError("HybridConfig(mode='tree') combines chain drafts only: SuffixConfig(tree=False)")
         self.ngram, self.learned, self.config = ngram, learned, config
         self.parts = (ngram, learned)  # checks.trusted: a user's learned part makes the drafts a user's
         tree = config.mode == "tree"
@@ -115,11 +124,13 @@ class HybridProposer:
             return ld
         K = max(ng.tokens.shape[1], ld.tokens.shape[1])
         parents = None
-        if ld.parents is not None:  # a tree learned draft (Medusa): n-gram rows are chains in it
+        if ld.parents is not None or ng.parents is not None:  # a tree in either part: chains become trees
             chain = (torch.arange(K, device=dev) - 1).expand(B, K)  # (B, K)
             parents = chain.clone()
-            parents[:, : ld.parents.shape[1]] = torch.where(rest.view(B, 1), ld.parents.to(dev),
-                                                           chain[:, : ld.parents.shape[1]])
+            for d, rows in ((ld, rest), (ng, ng_rows)):
+                if d.parents is not None:
+                    Kd = d.parents.shape[1]
+                    parents[:, :Kd] = torch.where(rows.view(B, 1), d.parents.to(dev), parents[:, :Kd])
         tokens = torch.full((B, K), -1, dtype=torch.long, device=dev)  # (B, K)
         tokens[:, : ld.tokens.shape[1]] = torch.where(rest.view(B, 1), ld.tokens.to(dev), -1)
         tokens[ng_rows, : ng.tokens.shape[1]] = ng.tokens.to(dev)[ng_rows]
@@ -132,6 +143,16 @@ class HybridProposer:
             on = ng_rows.view(B, 1) & (tokens >= 0)  # (B, K) drafted n-gram positions
             q[on.nonzero(as_tuple=True) + (tokens[on],)] = 1.0
         siblings = None if parents is None else ld.siblings  # n-gram rows are chains: no siblings
+        if ng.parents is not None:  # suffix trees: deterministic siblings (distinct trie children)
+            siblings = "deterministic"
+            if q is not None:  # per node: the lookup rows deterministic, the learned rows their kind
+                kinds = torch.full((B, K), DETERMINISTIC, dtype=torch.long, device=dev)  # (B, K)
+                Kl = ld.tokens.shape[1]
+                lk = "sampled" if ld.parents is None else sibling_kinds(ld.siblings, True, B, Kl, dev, validate=False)
+                if isinstance(lk, str):  # one kind for every learned node (a chain's: its own q row)
+                    lk = torch.full((B, Kl), SIBLING_KINDS.index(lk), dtype=torch.long, device=dev)  # (B, Kl)
+                kinds[:, :Kl] = torch.where(rest.view(B, 1), lk.to(dev), kinds[:, :Kl])
+                siblings = kinds
         return Draft(tokens=tokens, lengths=lengths, q=q, parents=parents, siblings=siblings)
 
     def _propose_tree(self, ctx: Context, ng: Draft, sampling: SamplingConfig, generator: Generators) -> Draft:

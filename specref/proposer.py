@@ -106,7 +106,7 @@ class AuxBlock:
 @runtime_checkable
 class Proposer(Protocol):
     """Implemented by every method (draft_model.py, ngram.py, lookahead.py, eagle_head.py,
-    medusa_heads.py, mtp.py, mlp_speculator.py, hybrid.py). generate.py relies on exactly this, and nothing else:
+    medusa_heads.py, mtp.py, mlp_speculator.py, hybrid.py, suffix.py). generate.py relies on exactly this, and nothing else:
 
     - `k`: the most draft tokens (chain) or nodes (tree) per row and step; a chain's length and a
       tree's depth never exceed it (generate.py sizes its buffers by it).
@@ -122,7 +122,8 @@ class Proposer(Protocol):
       draws come from generator b alone (sampling.ragged_uniforms / sample_rows).
     - Tree drafts name their sibling kind (Draft.siblings), which must match how the nodes were
       drawn. The library's: EAGLE-2 (eagle_tree.py), Medusa (medusa_heads.py) and lookahead
-      (lookahead.py) emit "deterministic" (top-k / candidate n-grams, q None: the token set is a
+      (lookahead.py) and SuffixDecoding's trees (suffix.py) emit "deterministic" (top-k / candidate
+      n-grams / distinct trie children, q None: the token set is a
       function of the history, so each node is accepted with probability p(x) among distinct
       siblings); HybridConfig(mode="tree") emits "sampled" (the n-gram node, q one-hot, and the
       learned node, drawn from its own q independently of it: SpecInfer's rule for independent

@@ -42,12 +42,15 @@ METHODS: Dict[str, str] = {
     "mtp": "multi-token prediction modules, chain",
     "mlp_speculator": "MLP speculator (Wertheimer et al. 2024), chain of its n stages",
     "hybrid_mlp_speculator": "prompt lookup where it matches, else the MLP speculator's chain",
+    "suffix": "SuffixDecoding: suffix trees over the prompt and earlier outputs, one path (k <= 10)",
+    "suffix_tree": "SuffixDecoding's speculation tree (k <= 10 nodes)",
+    "hybrid_suffix": "SuffixDecoding where its score reaches the EAGLE-1 head's k, else the head",
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
            "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
            "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa",
            "hydra": "hydra", "hybrid_hydra": "hydra", "mtp": "mtp",
-           "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator"}
+           "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator", "hybrid_suffix": "eagle"}
 
 
 TREES = {"eagle2", "eagle3_tree", "hybrid_tree", "hybrid_eagle2", "medusa", "medusa_typical", "hybrid_medusa",
@@ -147,6 +150,16 @@ class Registry:
             vc = self.verify_costs()  # the draft length rule needs this machine's costs
             return NgramConfig(k=10, adaptive=True, draft_cost=round(vc["c"], 4), verify_cost_fixed=round(vc["c0"], 4))
         return self._once("ngram", make)
+
+    def suffix(self, name: str):
+        """A SuffixProposer for method `name` (suffix, suffix_tree, hybrid_suffix): vLLM's settings but
+        k 10 (a CPU's verify cost), and the method's global tree, one per Registry: fresh proposers,
+        one cache, so a run's requests (a bench's questions, in order) share it from a cold start."""
+        from .suffix import SuffixConfig, SuffixProposer
+
+        cfg = SuffixConfig(k=10, tree=name == "suffix_tree",
+                           min_score=float(self.eagle()[1].k) if name == "hybrid_suffix" else 0.0)
+        return SuffixProposer(cfg, self._once(("suffix_cache", name), cfg.cache))
 
     def trained_draft(self):
         """(draft, token_map, k)."""
@@ -290,10 +303,14 @@ class Registry:
             draft, token_map, k = self.trained_draft()
             p = DraftModelProposer(draft, DraftModelConfig(k=k), token_map=token_map, vocab_size=self.V)
             return p if name == "draft" else HybridProposer(NgramProposer(self.ngram_config()), p)
-        if name in ("eagle", "hybrid", "hybrid_tree"):
+        if name in ("suffix", "suffix_tree"):
+            return self.suffix(name)
+        if name in ("eagle", "hybrid", "hybrid_tree", "hybrid_suffix"):
             from .eagle_head import EagleProposer
 
             head, ec = self.eagle()
+            if name == "hybrid_suffix":  # ArcticInference's rule: the suffix draft where score >= k
+                return HybridProposer(self.suffix(name), EagleProposer(head, ec))
             if name == "eagle":
                 return EagleProposer(head, ec)
             mode = HybridConfig(mode="tree" if name == "hybrid_tree" else "select")
@@ -342,6 +359,12 @@ class Registry:
             k = self.trained_draft()[2]
             return (f"specref trained draft (k={k})" if name == "draft"
                     else f"specref n-gram, else trained draft (k={k}; {costs(self.ngram_config())})")
+        if name in ("suffix", "suffix_tree", "hybrid_suffix"):
+            c = self.suffix(name).config
+            what = (f"SuffixDecoding ({'tree' if c.tree else 'path'}, k<={c.k}, depth {c.max_depth}, alpha "
+                    f"{c.max_spec_factor:g}, tau {c.min_token_prob:g}, {c.max_cached_requests} cached requests)")
+            return f"specref {what}" if name != "hybrid_suffix" else \
+                f"specref {what} where its score >= {c.min_score:g}, else EAGLE-1 head (adaptive, k<={c.min_score:g})"
         if name in ("eagle", "hybrid", "hybrid_tree"):
             ec = self.eagle()[1]
             if name == "eagle":

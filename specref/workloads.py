@@ -13,6 +13,15 @@ this machine.
   file or the folder holding question.jsonl). The results documents and the training corpus's
   overlap check use the project's development split found through that one setting.
 
+- Multi-turn (second turns): a conversation file has rows with two or more `turns` (Spec-Bench's
+  MT-Bench rows, or `specref/data/multiturn.jsonl`: 50 short two-turn conversations in 9 categories
+  written by the project, no text of any evaluation set, zero 8-gram overlap with Spec-Bench's
+  questions). The second turn's prompt is [user: turn 1, assistant: answer 1, user: turn 2]; the
+  first answers come from plain greedy decoding of turn 1, made once and stored (a first-answers
+  file: a `meta` line naming the model, the question file by name and sha256, the decoding; then
+  one {"question_id", "answer"} line per conversation; `python -m specref multiturn` writes it).
+  Workloads that reuse earlier text (SuffixDecoding's global tree) are measured on them.
+
 A result names its workload portably (`describe`): its name, sha256 and row count, never a path.
 """
 from __future__ import annotations
@@ -21,11 +30,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 SPEC_BENCH_ENV = "SPECREF_SPEC_BENCH"
 DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "data" / "workload.jsonl"
 DEFAULT_NAME = "specref-workload"
+MULTITURN = Path(__file__).resolve().parent / "data" / "multiturn.jsonl"  # the shipped two-turn set
 SPEC_BENCH_HELP = (
     "Spec-Bench (Xia et al. 2024: 480 questions in 13 categories) is not shipped with specref; its "
     "question file is published as data/spec_bench/question.jsonl in https://github.com/hemingkx/Spec-Bench. "
@@ -93,3 +103,59 @@ def label(desc: dict) -> str:
 def manifest() -> dict:
     """The default workload's manifest (sources, licences, sha256)."""
     return json.loads((DEFAULT_WORKLOAD.parent / "workload_manifest.json").read_text(encoding="utf-8"))
+
+
+def load_conversations(path=MULTITURN) -> List[dict]:
+    """The rows of a question file with at least two turns (each turn a string), in file order."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            turns = row.get("turns")
+            if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+                raise ValueError(f"{portable_name(path)} line {n}: 'turns' must be a list of strings, got {turns!r}")
+            if len(turns) >= 2:
+                out.append(row)
+    return out
+
+
+def write_first_answers(path, question_path, answers: Dict[object, str], model: str, max_new_tokens: int) -> None:
+    """Store the greedy first answers ({question_id: text}) of a question file's conversations."""
+    meta = {"model": model, "questions": describe(question_path), "decoding": "greedy",
+            "max_new_tokens": int(max_new_tokens)}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"meta": meta}, ensure_ascii=False) + "\n")
+        for qid, text in answers.items():
+            f.write(json.dumps({"question_id": qid, "answer": text}, ensure_ascii=False) + "\n")
+
+
+def load_first_answers(path) -> Tuple[dict, Dict[object, str]]:
+    """(meta, {question_id: first answer}) of a first-answers file."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows or "meta" not in rows[0]:
+        raise ValueError(f"{portable_name(path)} is not a first-answers file (its first line has no 'meta')")
+    return rows[0]["meta"], {r["question_id"]: r["answer"] for r in rows[1:]}
+
+
+def second_turns(question_path, answers_path) -> List[dict]:
+    """The second-turn requests: {"question_id", "category", "messages"} per conversation, messages
+    [user turn 1, assistant first answer, user turn 2] for a chat template. ValueError when the
+    answers were made for another question file (sha256) or miss a conversation."""
+    meta, answers = load_first_answers(answers_path)
+    sha = sha256_of(question_path)
+    if meta.get("questions", {}).get("sha256") != sha:
+        raise ValueError(f"{portable_name(answers_path)} holds answers to another question file "
+                         f"({meta.get('questions', {}).get('name')!r}), not {portable_name(question_path)}")
+    out = []
+    for row in load_conversations(question_path):
+        if row["question_id"] not in answers:
+            raise ValueError(f"{portable_name(answers_path)} has no first answer for question {row['question_id']!r}")
+        t1, t2 = row["turns"][:2]
+        out.append({"question_id": row["question_id"], "category": row.get("category", ""),
+                    "messages": [{"role": "user", "content": t1},
+                                 {"role": "assistant", "content": answers[row["question_id"]]},
+                                 {"role": "user", "content": t2}]})
+    return out

@@ -20,7 +20,9 @@ chain of k = max(D, 3); the MLP speculator (mlp_speculator.py) its committed sta
 k = n_predict, alone or behind prompt lookup (`hybrid_mlp_speculator`); EAGLE-2 (`eagle2`, eagle_tree.py) the same EAGLE-1 head growing a dynamic
 tree, alone or behind prompt lookup (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`,
 `hybrid_eagle3`, eagle3.py) the committed EAGLE-3 head as a chain, a dynamic tree, or behind
-prompt lookup. `ar_fp32` (only with a bf16/fp16
+prompt lookup. SuffixDecoding (`suffix`, `suffix_tree`, `hybrid_suffix`, suffix.py) keeps one global
+tree per method for the whole run (registry.py), filled in the order the questions run, the
+warm-up's output first. `ar_fp32` (only with a bf16/fp16
 model) is `ar` on a float32 copy of the same model, so one run gives a low-precision method's
 ratio to float32 decoding and the fraction of questions whose greedy output is unchanged.
 """
@@ -40,7 +42,7 @@ from ..target import Target
 ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",
                "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
                "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp", "mlp_speculator",
-               "hybrid_mlp_speculator", "hf_pld", "hf_assist")
+               "hybrid_mlp_speculator", "suffix", "suffix_tree", "hybrid_suffix", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):

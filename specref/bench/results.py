@@ -56,6 +56,9 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "mtp": ("Gloeckle et al. 2024; DeepSeek-V3 (MTP)", "`MTPProposer`", "lossless", "11"),
     "mlp_speculator": ("Wertheimer et al. 2024 (MLP speculator)", "`MLPSpeculatorProposer`", "lossless", "-"),
     "hybrid_mlp_speculator": ("prompt lookup + MLP speculator", "`HybridProposer`", "lossless", "-"),
+    "suffix": ("Oliaro et al. 2025 (SuffixDecoding)", "`SuffixProposer`", "lossless", "-"),
+    "suffix_tree": ("Oliaro et al. 2025 (SuffixDecoding), tree", "`SuffixProposer`", "lossless", "-"),
+    "hybrid_suffix": ("SuffixDecoding + EAGLE (ArcticInference's rule)", "`HybridProposer`", "lossless", "-"),
 }
 
 
