@@ -53,7 +53,7 @@ from .backends.cpu_linear import pack_on_cpu, packed
 from .checks import normalise_ints
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
-from .proposer import Context, Draft, Generators
+from .proposer import Context, Draft, Generators, refill_context
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
 from .theory import DecayedAcceptance, best_draft_length, check_costs
@@ -248,6 +248,25 @@ class EagleProposer:
         self.base = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) pairs fed with true features
         self.acceptance = DecayedAcceptance(B, self.config.prior_accept, self.config.memory)  # per row
         self.drafted = np.zeros(B, dtype=np.int64)  # (B,) draft length of the last step
+
+    @torch.no_grad()
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        """Rows that took a new request (scheduler.py): their head cache emptied, their features the
+        new prompt's (hidden, R x P x D), their acceptance the prior; as begin() for those rows only.
+        The catch-up of the next propose() feeds their prompt's pairs."""
+        if self.cache is None:
+            raise ValueError("EagleProposer.reset_rows() called before begin()")
+        rows = rows.to(self.base.device)
+        r = rows.cpu().numpy()  # (R,)
+        self.cache.lengths[rows] = 0
+        self.base[rows] = 0
+        self.feat[rows] = 0
+        self.acceptance.hits[r] = 2.0 * self.config.prior_accept
+        self.acceptance.misses[r] = 2.0 * (1.0 - self.config.prior_accept)
+        self.drafted[r] = 0
+        new = refill_context(ctx, rows, hidden)
+        if new is not None:
+            self._store(new)
 
     def _spec_slots(self) -> int:
         """Head-cache slots one step's drafting writes after the true pairs (a chain: k)."""

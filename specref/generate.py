@@ -413,7 +413,8 @@ def _commit_cache(cache, step: StepResult, num_emit: torch.Tensor, hidden: Optio
         cache.commit(num_emit, validate=False)  # num_emit >= 0 by construction
         return hidden
     B = num_emit.shape[0]
-    offsets = torch.cat([torch.zeros_like(step.path[:, :1]), step.path + 1], dim=1)  # (B, D+1) block offsets
+    root = step.path.new_zeros(B, 1)  # (B, 1) the pending token, kept in every row (also when no node was drafted)
+    offsets = torch.cat([root, step.path + 1], dim=1)  # (B, D+1) block offsets
     cache.commit_path(offsets, num_emit)
     if hidden is None:
         return None

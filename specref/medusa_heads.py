@@ -57,7 +57,7 @@ from .eagle_head import EagleHead
 from .kv_rollback import SpecCache
 from .medusa_prefix import add_prefix, prefix_step
 from .medusa_tree import DEFAULT_CHOICES, check_choices, tree_arrays
-from .proposer import Context, Draft, Generators
+from .proposer import Context, Draft, Generators, refill_context
 from .sampling import SamplingConfig
 from .typical import TypicalAcceptance
 from .weights import FOLDER, fingerprint, load_tensors, load_token_map, save_trained, weights_info
@@ -272,6 +272,22 @@ class MedusaProposer:
         self.last = torch.zeros(B, self.heads.hidden_size, device=dev, dtype=w.dtype)  # (B, D)
         self.has = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a feature seen (prompt > 1 token)
         self._store(ctx)
+
+    @torch.no_grad()
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        """Rows that took a new request (scheduler.py): their newest feature the new prompt's (from
+        hidden, R x P x D; a prefix layer's cache emptied and run over the prompt's states first), as
+        begin() for those rows only."""
+        if self.last is None:
+            raise ValueError("MedusaProposer.reset_rows() called before begin()")
+        rows = rows.to(self.last.device)
+        self.last[rows] = 0
+        self.has[rows] = False
+        if self.cache is not None:
+            self.cache.lengths[rows.to(self.cache.lengths.device)] = 0
+        new = refill_context(ctx, rows, hidden)
+        if new is not None:
+            self._store(new)
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:

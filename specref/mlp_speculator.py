@@ -39,7 +39,7 @@ import torch
 
 from .checks import normalise_ints
 from .draft_model import to_target_vocab
-from .proposer import Context, Draft, Generators
+from .proposer import Context, Draft, Generators, refill_context
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .weights import FOLDER, load_tensors, load_token_map, save_trained, warn_if_other_target, weights_info
 
@@ -202,6 +202,19 @@ class MLPSpeculatorProposer:
         self.last = torch.zeros(B, self.spec.emb_dim, device=dev, dtype=dt)  # (B, D)
         self.has = torch.zeros(B, dtype=torch.bool, device=dev)  # (B,) a state seen (prompt > 1 token)
         self._store(ctx)
+
+    @torch.no_grad()
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        """Rows that took a new request (scheduler.py): their newest state the new prompt's (from
+        hidden, R x P x D), as begin() for those rows only."""
+        if self.last is None:
+            raise ValueError("MLPSpeculatorProposer.reset_rows() called before begin()")
+        rows = rows.to(self.last.device)
+        self.last[rows] = 0
+        self.has[rows] = False
+        new = refill_context(ctx, rows, hidden)
+        if new is not None:
+            self._store(new)
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:

@@ -62,7 +62,7 @@ from .backends.cpu_linear import pack_on_cpu, packed
 from .checks import normalise_ints
 from .draft_model import to_target_vocab
 from .kv_rollback import SpecCache
-from .proposer import Context, Draft, Generators
+from .proposer import Context, Draft, Generators, refill_context
 from .sampling import SamplingConfig, logits_to_probs, sample_rows
 from .target import additive_mask, attending
 from .weights import (FOLDER, load_tensors, load_token_map, save_trained, tensor_names, warn_if_other_target,
@@ -211,6 +211,23 @@ class MTPProposer:
         self.h = [torch.zeros(B, T, self.stack.hidden_size, device=dev, dtype=dt) for _ in range(max(self.D, 2))]
         self.base = [torch.zeros(B, dtype=torch.long, device=dev) for _ in range(self.D)]  # (B,) true positions
         self._store(ctx)
+
+    @torch.no_grad()
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        """Rows that took a new request (scheduler.py): every module's cache and outputs emptied, h^0
+        the new prompt's features (hidden, R x P x D), as begin() for those rows only; each module
+        catches up on the prompt at the next propose()."""
+        if not self.caches:
+            raise ValueError("MTPProposer.reset_rows() called before begin()")
+        rows = rows.to(self.h[0].device)
+        for cache, base in zip(self.caches, self.base):
+            cache.lengths[rows] = 0
+            base[rows] = 0
+        for h in self.h:
+            h[rows] = 0
+        new = refill_context(ctx, rows, hidden)
+        if new is not None:
+            self._store(new)
 
     def _store(self, ctx: Context) -> None:
         """The target's features ctx.hidden (rows valid: ctx.hidden_len) into h[0] at their positions."""

@@ -103,6 +103,22 @@ class AuxBlock:
     depth: torch.Tensor  # (B, E) long: position id = root position + depth
 
 
+def refill_context(ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor]) -> Optional[Context]:
+    """For a feature-reading proposer's `reset_rows`: ctx with the new rows' prefill features
+    `hidden` (R, P, D) placed in rows `rows` of a (B, P, D) tensor, hidden_len the prompt length - 1
+    there and 0 elsewhere (the other rows see no new feature), as begin() sees a prefill. None when
+    no new row has a feature (prompts of one token)."""
+    if hidden is None or hidden.shape[1] == 0:
+        return None
+    B = ctx.tokens.shape[0]
+    full = hidden.new_zeros((B, *hidden.shape[1:]))  # (B, P, D)
+    full[rows.to(hidden.device)] = hidden
+    n = torch.zeros(B, dtype=torch.long, device=ctx.lengths.device)  # (B,)
+    n[rows.to(n.device)] = ctx.lengths[rows.to(n.device)] - 1
+    return Context(tokens=ctx.tokens, lengths=ctx.lengths, active=ctx.active, hidden=full, hidden_len=n,
+                   prompt_lengths=ctx.prompt_lengths)
+
+
 @runtime_checkable
 class Proposer(Protocol):
     """Implemented by every method (draft_model.py, ngram.py, lookahead.py, eagle_head.py,
@@ -145,6 +161,8 @@ class Proposer(Protocol):
       hidden (R, P, D) its features (None unless `hidden_layers`). The proposer forgets what it knew
       of those rows and starts them as begin() would, leaving the other rows as they are; it draws
       no random numbers. A proposer without it is scheduled in static batches (begin() per batch).
+      The feature-reading ones (EAGLE-1/2/3, Medusa, MTP, the MLP speculator) zero the rows' state
+      and store `hidden` through refill_context() as begin() stores the prefill's.
     """
 
     k: int

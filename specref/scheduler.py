@@ -298,6 +298,8 @@ class _Scheduler:
             self.proposer.reset_rows(ctx, R, hidden)
         else:  # a static batch: every row is new (rows past the last request stay ended)
             if run.hidden_layers is not None:
+                if hidden is None:  # prompts of one token: no feature yet (a zero-width block, as generate's prefill)
+                    hidden = ctx.hidden.new_zeros((len(rows), 0, ctx.hidden.shape[-1]))  # (R, 0, D)
                 ctx.hidden = hidden if len(rows) == self.B else _pad_rows(hidden, R, self.B)
                 ctx.hidden_len = (ctx.prompt_lengths - 1) * ctx.active
             self.proposer.begin(ctx, run.sampling, run.generator)
