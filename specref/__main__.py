@@ -6,7 +6,8 @@ demo     - speculative decoding on the embedded default model (SmolLM2-135M-Inst
            --compare: then every method of --compare-methods on two prompts, with the picker's
            predicted speed-up beside the measured one.
 generate - one prompt through any local model folder or GGUF file, with any method of registry.py
-           (`--method NAME`, or `auto`: the picker's choice for this prompt).
+           (`--method NAME`, or `auto`: the picker's choice for this prompt, k per step from the
+           measured costs: picker/auto.py).
 pick     - the strategy picker on your prompts: which method, which k, or none (picker.py).
 oracle   - check a rejection sampler for losslessness (oracle/).
 bench    - every method side by side on Spec-Bench prompts (bench/, writes BENCHMARKS.md).
@@ -199,14 +200,14 @@ def generate_cmd(args) -> int:
     else:
         reg = Registry(model, kind=kind, draft_k=args.k, weights=dict(args.weights or []))
         method = args.method or "ngram"
-        if method == "auto":
-            from . import picker
+        if method == "auto":  # picker/auto.py: the pick at batch 1, k per step from the measured costs
+            from .picker.auto import AutoConfig, build_auto
 
-            rec = picker.recommend(model, [ids_list], methods=None, temperature=args.temperature,
-                                   max_new_tokens=args.max_new_tokens, budget_s=args.budget_s, registry=reg)
-            print(f"picked: {rec.method} ({rec.reason})")
-            print(rec.table())
-            method, proposer = rec.method, rec.proposer
+            a = build_auto(model, [ids_list], AutoConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                                                         budget_s=args.budget_s), reg)
+            print(f"picked: {a.method} ({a.recommendation.reason})")
+            print(a.recommendation.table())
+            method, proposer = a.method, a.fresh(reg)
         else:
             proposer = reg.proposer(method)
         if proposer is None:
@@ -214,7 +215,7 @@ def generate_cmd(args) -> int:
             label = "autoregressive"
         else:
             out = speculative_generate(reg.target, proposer, ids, **gen)
-            label = f"speculative ({reg.label(method)})"
+            label = a.label if args.method == "auto" else f"speculative ({reg.label(method)})"
     row = out.row(0)
     print(decode(row) if decode is not None else " ".join(map(str, row)))
     _report(label, out)

@@ -216,6 +216,7 @@ class EagleProposer:
         if not isinstance(head, EagleHead):
             raise ValueError(f"head must be an EagleHead, got {type(head).__name__}")
         self.head, self.config, self.k = head.eval(), config, config.k
+        self.variable_k = True  # batch_k.py may lower self.k for one propose() (it drafts k tokens then)
         self.hidden_layers = tuple(head.hidden_layers)
         self.vocab_size = head.vocab_size
         self.cache: Optional[SpecCache] = None

@@ -76,6 +76,7 @@ class Eagle2Proposer(EagleProposer):
             raise ValueError(f"config must be an Eagle2Config, got {type(config).__name__}")
         super().__init__(head, EagleConfig(k=1))
         self.tree, self.k = config, config.total_tokens
+        self.variable_k = False  # k is a node budget here, not a chain length
         self.tree_sizes: list = []  # nodes per drafted row and step (for the bench's tree size)
 
     def _spec_slots(self) -> int:

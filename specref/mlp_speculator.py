@@ -177,6 +177,7 @@ class MLPSpeculatorProposer:
             raise ValueError(f"MLPSpeculatorConfig.k = {config.k}, but the speculator has "
                              f"{speculator.n_predict} stage(s) (n_predict)")
         self.spec, self.config, self.k = speculator.eval(), config, config.k
+        self.variable_k = True  # batch_k.py may lower self.k for one propose() (it drafts k tokens then)
         self.vocab_size = speculator.vocab_size
         self.last: Optional[torch.Tensor] = None
 

@@ -197,6 +197,7 @@ class MTPProposer:
         if n > stack.num_modules:
             raise ValueError(f"MTPConfig.modules = {n}, but the stack has {stack.num_modules} module(s)")
         self.stack, self.config, self.k = stack.eval(), config, config.k
+        self.variable_k = True  # batch_k.py may lower self.k for one propose() (it drafts k tokens then)
         self.D = min(n, config.k)  # modules in use (deeper ones would never draft)
         self.vocab_size = stack.vocab_size
         self.caches: List[SpecCache] = []

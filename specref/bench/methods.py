@@ -39,6 +39,7 @@ import torch
 from ..target import device_sync
 from ..target import Target
 
+EXTRA_METHODS = ("auto",)  # accepted by --methods, never run by default (auto calibrates first)
 ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",
                "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
                "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp", "mlp_speculator",
@@ -126,6 +127,8 @@ class Method:
     specref: bool = True
     queue: Optional[Callable] = None  # specref's: (prompts, B, max_len, seed, refill) -> record dict of
     # scheduler.schedule() over every prompt with B rows (refill "row" or "batch")
+    prepare: Optional[Callable] = None  # (prompts: lists of ids) -> None, before any run: the workload
+    # `auto` calibrates on
 
 
 def _spec_record(out) -> dict:
@@ -233,6 +236,8 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
             assistant = _as_assistant(draft, token_map, V, k)
             methods.append(Method("hf_assist", f"transformers assisted, trained draft (k={k})",
                                   hf({"assistant_model": assistant}, [0]), k=k, specref=False))
+        elif name == "auto":
+            methods.append(_auto_method(cfg, reg, target, gen, [m for m in cfg.methods if m in METHODS and m != "ar"]))
         elif name in METHODS:
             try:
                 label, k = reg.label(name), reg.proposer(name).k
@@ -246,3 +251,54 @@ def build_methods(cfg, model, eos, target, registry=None) -> tuple:
         autoregressive_generate(target, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})),
         queue=queue("ar"))
     return [base] + methods, skipped
+
+
+def _auto_method(cfg, reg, target, gen, candidates: List[str]) -> Method:
+    """`auto` (picker/auto.py): at each batch size B, calibrated once on the prepared prompts (else on
+    the first run's rows) with the other specref methods named as candidates (none: every lossless
+    method), then the pick with k per step from the costs at B. Each record names the pick."""
+    from ..generate import autoregressive_generate, speculative_generate
+    from ..picker.auto import AutoConfig, build_auto
+    from ..scheduler import schedule
+
+    built: Dict[int, object] = {}
+    workload: List[List[int]] = []
+
+    def get(B: int, rows: List[List[int]]):
+        if B not in built:
+            conf = AutoConfig(batch_size=B, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                              methods=tuple(candidates) or None)
+            built[B] = build_auto(reg.model, workload or rows, conf, reg)
+        return built[B]
+
+    def unpadded(ids, mask) -> List[List[int]]:
+        return [r[m.bool()].tolist() if m is not None else r.tolist()
+                for r, m in zip(ids.cpu(), [None] * len(ids) if mask is None else mask.cpu())]
+
+    def run(ids, max_len, seed, n=cfg.max_new_tokens, mask=None):
+        a = get(ids.shape[0], unpadded(ids, mask))
+        p = a.fresh(reg)
+        out = (autoregressive_generate(target, ids, mask, seed=seed, max_len=max_len, **{**gen, "max_new_tokens": n})
+               if p is None else speculative_generate(target, p, ids, mask, seed=seed, max_len=max_len,
+                                                      **{**gen, "max_new_tokens": n}))
+        return dict(_spec_record(out), pick=a.method)
+
+    def queue(prompts, B, max_len, seed, refill):
+        from ..generate import NullProposer
+
+        a = get(B, [list(p) for p in prompts[:B]])
+        p = a.fresh(reg)
+        out = schedule(target, NullProposer() if p is None else p, prompts, batch_size=B, seed=seed, max_len=max_len,
+                       refill=refill, **gen)
+        return dict(_queue_record(out), pick=a.method)
+
+    ks = []
+    for m in list(candidates):  # the candidates this model has (a learned method may have no weights)
+        try:
+            ks.append(reg.proposer(m).k)
+        except (ImportError, ValueError, FileNotFoundError):
+            candidates.remove(m)
+    label = ("specref auto (the picker's pick at each B among " + (", ".join(candidates) or "every method")
+             + "; k per step from the costs at B)")
+    return Method("auto", label, run, k=max(ks + [10]), queue=queue,
+                  prepare=lambda prompts: workload.extend(list(p) for p in prompts))

@@ -62,7 +62,7 @@ import torch
 
 from ..target import Target, TargetConfig
 from ..workloads import describe, label, portable_name, question_file
-from .methods import ALL_METHODS, build_methods, load_model
+from .methods import ALL_METHODS, EXTRA_METHODS, build_methods, load_model
 from .report import first_difference
 
 
@@ -198,6 +198,9 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
                    else "custom", draft_k=cfg.draft_k, lookahead=cfg.lookahead, weights=dict(cfg.weights))
     methods, skipped = build_methods(cfg, model, eos, target, registry=reg)
     prompts = [torch.tensor([encode(q["turns"][0])], device=dev) for q in questions]  # (1, T) each
+    for m in methods:
+        if m.prepare is not None:
+            m.prepare([p[0].tolist() for p in prompts])  # auto: the workload it calibrates on
     slack = cfg.max_new_tokens + 2 * max([m.k or 0 for m in methods] + [16]) + 64
     fixed = _bucket(max(p.shape[1] for p in prompts) + slack) if cfg.compile else None
 
@@ -295,7 +298,8 @@ def bench_main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m specref bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=None, help=f"any of {', '.join(ALL_METHODS)} (default all)")
+    ap.add_argument("--methods", nargs="+", default=None, help=f"any of {', '.join(ALL_METHODS)} (default all), "
+                    "or auto (the picker's pick, k per step from the costs at the batch size: picker/auto.py)")
     ap.add_argument("--categories", nargs="+", default=None, help="default: every category")
     ap.add_argument("--questions", default="1", help="questions per category (first N in file order), or 'all'")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -338,7 +342,11 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--refill", action="store_true",
                     help="with --batch-size: also run every specref method as one queue of every question at each "
                          "B > 1 (scheduler.py), in static batches and with a finished row taking the next question")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --batch-size: every batch and queue N times, interleaved; tokens/s the median")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if a.questions == "all":
         per = None
     elif a.questions.isdigit() and int(a.questions) > 0:
@@ -356,9 +364,9 @@ def bench_main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     methods = _split(a.methods) or ALL_METHODS
-    bad = [m for m in methods if m not in ALL_METHODS]
+    bad = [m for m in methods if m not in ALL_METHODS + EXTRA_METHODS]
     if bad:
-        raise ValueError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS)}")
+        raise ValueError(f"unknown methods {bad}; choose from {', '.join(ALL_METHODS + EXTRA_METHODS)}")
     look = tuple(int(x) for x in a.lookahead.split(",") if x.strip().isdigit())
     if len(look) != 3 or len(a.lookahead.split(",")) != 3:
         raise ValueError(f"--lookahead must be three ints W,N,G, got {a.lookahead!r}")
@@ -383,7 +391,7 @@ def bench_main(argv=None) -> int:
         qs, workload = load_questions(qfile, cfg.categories, cfg.questions), describe(qfile)
         print(label(workload), file=sys.stderr)
         with torch.inference_mode():
-            result = run_batch_bench(cfg, sizes, qs, command.strip(), refill=a.refill)
+            result = run_batch_bench(cfg, sizes, qs, command.strip(), refill=a.refill, repeats=a.repeats)
         result["meta"]["workload"] = workload
         md = None if a.markdown == "none" else Path(a.markdown)
         print(write_batch_outputs(result, Path(a.out) / "batch", md))

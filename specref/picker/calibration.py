@@ -19,6 +19,10 @@ widths it asked for. Exact for greedy decoding: a block row off the answer follo
 which ends the step before that row's token matters. Lookahead reads the target's logits on its
 own Jacobi window, so it runs for real (calib_tokens // 3 new tokens).
 
+At batch B > 1 the verify curve v(W) is that of B rows x W tokens (batch_k.measure_step_costs,
+kept in `step_costs` for `auto`, picker/auto.py): once the block is compute-bound a wider block
+costs more, which the best fixed k and the choice between speculating and not then see.
+
 T > 0 or batch > 1 (`_windows_all`): every method runs for real, each on the next `calib_tokens`
 tokens of one generation (windows in an order rotated per batch, so every method is measured
 early and late in the answers), all from ONE prefill per prompt (`SharedPrefill` copies the
@@ -96,7 +100,8 @@ class Calibration:
     methods: List[str]
     labels: Dict[str, str]
     records: List[dict] = field(default_factory=list)  # prompt, group, method and the counters
-    verify_ratios: List[float] = field(default_factory=list)  # v(W) for W = 1, 2, ...
+    verify_ratios: List[float] = field(default_factory=list)  # v(W) for W = 1, 2, ... (batch > 1: of B rows)
+    step_costs: Optional[object] = None  # batch > 1: batch_k.StepCosts, seconds of B rows x W tokens
     seconds: float = 0.0  # the calibration's wall time (its runs; the registry's setup excluded)
     setup_seconds: float = 0.0  # loading weights and measuring costs (shared with any later use)
     prompts_used: int = 0
@@ -200,8 +205,15 @@ def calibrate(model, prompts: Sequence, config: PickerConfig = PickerConfig(), r
                 raise ValueError(f"method {m!r} cannot run on this model: {e}") from e
     vc = reg.verify_costs()
     v = vc["ratios"]
+    step_costs = None
+    if config.batch_size > 1:  # the verify curve of B rows (batch_k.py): compute-bound blocks cost more
+        from ..batch_k import measure_step_costs
+
+        step_costs = measure_step_costs(target, [config.batch_size], len(v) - 1, reps=3)
+        tb = step_costs.verify[config.batch_size]
+        v = [x / tb[0] for x in tb]  # v_B(W) = t_B(W) / t_B(1)
     shared = SharedPrefill(target, layer_union(getattr(reg.proposer(m), "hidden_layers", None) for m in names))
-    cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v),
+    cal = Calibration(config=config, methods=names, labels=labels, verify_ratios=list(v), step_costs=step_costs,
                       setup_seconds=time.perf_counter() - t_setup, prompts_given=len(prompts),
                       order=[(i, groups[j]) for j, i in enumerate(order)],
                       budget_s=budget_for(len(prompts), config.max_new_tokens, vc.get("t1", 0.0), config.batch_size)
@@ -266,7 +278,8 @@ def _windows_all(cal, reg, target, shared, names, prompts, groups, config, t0, g
             ctx = sum(len(r) for r in rows)
             cal.records.append(dict(
                 prompt=i, group=group, method=m, offset=offset, tokens=int(out.num_tokens.sum()),
-                steps=s.target_forwards, drafts=s.num_drafts, drafted_pos=list(s.drafted_per_position),
+                steps=s.target_forwards, row_steps=s.num_row_steps, drafts=s.num_drafts,
+                drafted_pos=list(s.drafted_per_position),
                 acc_pos=list(s.accepted_per_position), draft_s=s.draft_time, verify_s=s.verify_time,
                 begin_s=begin_s, setup_s=begin_s * sum(P) / ctx, replay_s=0.0, run_prefill_s=s.prefill_time,
                 prefill_s=prefill_s, wall_s=s.wall_time, k=k))

@@ -17,7 +17,9 @@ i-1, drafting >= i)); the proposer's setup seconds (its `begin`); the seconds of
 (draft + verify + the loop's own work); autoregressive t_ar per step and the prompt's prefill.
 
 prediction (`predict`) for N new tokens, per prompt, then the geometric mean over prompts (as the
-bench's speed-up is the geometric mean of per-question ratios):
+bench's speed-up is the geometric mean of per-question ratios); at batch B > 1 s counts row-steps
+(a step of B rows is B of them), so tau and f are per row, t_step and t_ar are steps of B rows, and
+v(W) is the measured curve of B rows x W tokens (calibration.py):
 
     tau   = 1 + (accepted drafts) / s  = E[N + 1]          (Eq. 1's quantity, measured; with i.i.d.
             acceptance a_l it is 1 + sum_i P(L >= i) prod_{l <= i} a_l)
@@ -74,12 +76,18 @@ def acceptance(drafted_pos: List[int], acc_pos: List[int]) -> List[float]:
     return out
 
 
+def _row_steps(r: dict) -> int:
+    """(row, step) pairs of a record: batch > 1 counts every row's steps (records without it: batch 1)."""
+    return r.get("row_steps") or r["steps"]
+
+
 def _merge(recs: List[dict]) -> dict:
     """Counters of several runs summed."""
     K = max([len(r["drafted_pos"]) for r in recs] + [0])
     pad = lambda x: list(x) + [0] * (K - len(x))  # noqa: E731
     out = {k: sum(r[k] for r in recs) for k in ("tokens", "steps", "drafts", "draft_s", "verify_s", "begin_s",
                                                   "setup_s", "prefill_s", "wall_s")}
+    out["row_steps"] = sum(_row_steps(r) for r in recs)
     out["drafted_pos"] = [sum(v) for v in zip(*[pad(r["drafted_pos"]) for r in recs])] if K else []
     out["acc_pos"] = [sum(v) for v in zip(*[pad(r["acc_pos"]) for r in recs])] if K else []
     return out
@@ -103,15 +111,15 @@ def predict(cal: Calibration, max_new_tokens: Optional[int] = None, group: Optio
         logs, logs_inf = [], []
         for p in prompts:
             r = by[(p, m)]
-            tau = expected_tokens(r["drafted_pos"], r["acc_pos"], r["steps"])
+            tau = expected_tokens(r["drafted_pos"], r["acc_pos"], _row_steps(r))  # per row
             T_ar = r["prefill_s"] + N * r["t_ar_s"]
             T_m = r["prefill_s"] + r["setup_s"] + N / tau * r["step_s"]
             logs.append(math.log(T_ar / T_m))
             logs_inf.append(math.log(tau * r["t_ar_s"] / r["step_s"]))
         pooled = _merge([by[(p, m)] for p in prompts])
-        tau = expected_tokens(pooled["drafted_pos"], pooled["acc_pos"], pooled["steps"])
+        tau = expected_tokens(pooled["drafted_pos"], pooled["acc_pos"], pooled["row_steps"])
         a = acceptance(pooled["drafted_pos"], pooled["acc_pos"])
-        f = pooled["drafts"] / max(pooled["steps"], 1)
+        f = pooled["drafts"] / max(pooled["row_steps"], 1)  # the share of row-steps that drafted
         t_m = sum(by[(p, m)]["step_s"] * by[(p, m)]["steps"] for p in prompts) / max(pooled["steps"], 1)
         row = dict(speedup=math.exp(sum(logs) / len(logs)), steady=math.exp(sum(logs_inf) / len(logs_inf)),
                    tau=tau, cost=t_m / t_ar_all, f=f, acceptance=a,
@@ -127,7 +135,8 @@ def predict(cal: Calibration, max_new_tokens: Optional[int] = None, group: Optio
 
 def _best_fixed_k(pooled: dict, a: List[float], f: float, t_ar: float, t1: float, v: List[float]):
     """(k, predicted steady speed-up) maximising tau(k) / t(k) over the k whose a_k was measured."""
-    c = pooled["draft_s"] / max(sum(pooled["drafted_pos"]), 1)  # seconds per drafted token
+    rows = pooled["row_steps"] / max(pooled["steps"], 1)  # rows per step (batch: a step drafts them together)
+    c = pooled["draft_s"] * rows / max(sum(pooled["drafted_pos"]), 1)  # seconds per drafted position of a step
     o = max(t_ar - t1, 0.0)  # the loop's own seconds per step
     best, prod, tau_d = (None, 0.0), 1.0, 1.0
     for k in range(1, min(len(a), len(v) - 1) + 1):

@@ -155,3 +155,22 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1  # the second token differs
     assert first_difference([7], [1, 2]) == 0
     assert first_difference([1, 2], [1, 2, 3]) == 2  # one stopped early (eos): at the shorter's end
+
+
+def test_batch_bench_runs_auto(qfile, tmp_path):
+    """`auto` (picker/auto.py) as a bench method at B = 1 and 2, as queues too, with repeats: greedy
+    rows identical to ar's, each row naming the pick among the other methods named."""
+    out = tmp_path / "out"
+    rc = bench_main(["--model", "tiny", "--question-file", str(qfile), "--questions", "all",
+                     "--methods", "ar", "auto", "ngram", "--batch-size", "1", "2", "--repeats", "2",
+                     "--max-new-tokens", "8", "--out", str(out), "--markdown", "none", "--no-progress", "--refill"])
+    assert rc == 0
+    res = json.loads((out / "batch" / "batch.json").read_text())
+    assert res["meta"]["repeats"] == 2
+    for B, per in res["rows"].items():
+        assert per["auto"]["identical"] is True and per["auto"]["pick"] in ("ar", "ngram"), B
+        assert len(per["auto"]["repeats"]) == 2 and per["auto"]["tok_s"] > 0
+    rec = res["queues"]["2"]["auto/row"]
+    assert rec["identical"] is True and rec["idle"] == 0.0 and rec["pick"] in ("ar", "ngram")
+    with pytest.raises(ValueError, match="repeats"):
+        bench_main(["--model", "tiny", "--question-file", str(qfile), "--repeats", "0"])
