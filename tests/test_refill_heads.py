@@ -123,3 +123,22 @@ def test_an_empty_tree_step_keeps_the_pending_tokens_feature(target):
     out = speculative_generate(target, PROPOSERS["medusa"](target), torch.tensor([[5]]), max_new_tokens=7,
                                temperature=0)
     assert out.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "mlp_speculator"])
+def test_k_by_batch_over_the_learned_chains(target, method):
+    """batch_k's BatchKProposer over each learned chain (variable_k: it drafts only the k chosen),
+    refilled per row: one row alone drafts k = 3, two rows k = 1, three (compute-bound) none; greedy
+    output exact whatever k each step took."""
+    from specref.batch_k import BatchKConfig, BatchKProposer, StepCosts
+
+    reqs = _requests(9, seed=2)
+    ref = [autoregressive_generate(target, torch.tensor(r.prompt), max_new_tokens=r.max_new_tokens,
+                                   temperature=0).row(0) for r in reqs]
+    costs = StepCosts({1: [1.0, 1.0, 1.0, 1.0], 2: [1.0, 1.1, 3.0, 4.0], 3: [1.0, 3.0, 5.0, 7.0]})
+    prop = BatchKProposer(PROPOSERS[method](target), BatchKConfig(costs=costs))
+    assert prop.inner.variable_k and callable(prop.reset_rows)
+    out = schedule(target, prop, reqs, batch_size=3, refill="row", temperature=0)
+    assert out.tokens == ref
+    assert out.stats.idle_row_steps == 0
+    assert {0, 3} <= set(prop.ks)  # three rows: plain decoding; the last row alone: k = 3
