@@ -24,8 +24,9 @@ Lossless: any k per step or per row is a valid draft (a prefix of the chain with
 rejection step is unchanged and each row still draws a fixed K + 1 uniforms per step (K the
 wrapped proposer's k), so a request's randomness does not depend on the k chosen. The chi-square
 over steps whose k changes per step and per row: tests/test_scheduler.py.
+`auto` (picker/auto.py) wraps the picker's pick at the batch size in it, with the costs at B.
 Left out: tree proposers (their node budget is their own: eagle_tree.py), costs that depend on the
-context length (measured at one cache length), the picker's own calibration at batch > 1.
+context length (measured at one cache length).
 """
 from __future__ import annotations
 

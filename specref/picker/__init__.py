@@ -4,7 +4,9 @@
     replay.py     the calibration's stand-ins: a target replaying a known greedy answer, feature capture
     calibration.py the short calibration on the user's prompts (PickerConfig, Calibration)
     picker.py     the prediction from a calibration and the recommendation
+    auto.py       `auto`: the pick at the batch size at hand, k per step from the costs at that size
 """
+from .auto import Auto, AutoConfig, build_auto
 from .calibration import Calibration, PickerConfig, budget_for, calibrate, sample_order
 from .costs import (fit_verify_cost, fit_verify_curve, measure_cost, measure_head_cost, measure_heads_cost,
                     measure_speculator_cost, measure_verify_cost, median_block_times)
@@ -12,7 +14,7 @@ from .picker import (Recommendation, acceptance, choose, expected_tokens, predic
                      save)
 from .replay import Capture, Replay
 
-__all__ = ["Calibration", "Capture", "PickerConfig", "Recommendation", "Replay", "acceptance", "budget_for",
+__all__ = ["Auto", "AutoConfig", "Calibration", "Capture", "PickerConfig", "Recommendation", "Replay", "acceptance", "budget_for", "build_auto",
            "calibrate", "choose", "expected_tokens", "fit_verify_cost", "fit_verify_curve",
            "measure_cost", "measure_head_cost", "measure_heads_cost", "measure_speculator_cost",
            "measure_verify_cost", "median_block_times", "predict", "prediction_table", "recommend",
