@@ -98,11 +98,18 @@ class HybridProposer:
         self._from_learned: Optional[torch.Tensor] = None  # (B,) bool rows the learned part drafted
         self._learned_draft: Optional[tuple] = None  # tree mode: (tokens (B, Kl), lengths (B,), ctx lengths (B,))
         self.source_counts = [0, 0]  # row-steps drafted by [prompt lookup, the learned proposer]
+        if not all(callable(getattr(q, "reset_rows", None)) for q in self.parts):
+            self.reset_rows = None  # scheduler.py: static batches, as for the part that cannot reset a row
 
     def begin(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> None:
         self.ngram.begin(ctx, sampling, generator)
         self.learned.begin(ctx, sampling, generator)
         self._from_learned = None
+
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden: Optional[torch.Tensor] = None) -> None:
+        """Rows that took a new request (scheduler.py): both parts reset them (present when both can)."""
+        self.ngram.reset_rows(ctx, rows, hidden)
+        self.learned.reset_rows(ctx, rows, hidden)
 
     @torch.no_grad()
     def propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
