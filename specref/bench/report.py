@@ -29,10 +29,11 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 def markers(meta: dict) -> tuple:
     """The (start, end) comments of a run's Markdown section: one section for first turns, one per
-    question file for second turns (so a multi-turn run never replaces the single-turn tables)."""
+    question file and temperature for second turns (so a multi-turn run never replaces the
+    single-turn tables, nor a greedy run a sampled one)."""
     if meta["config"].get("turns", 1) == 1:
         return START, END
-    name = meta["workload"]["name"] if meta.get("workload") else meta["question_file"]
+    name = f"{meta['question_file']}:T={meta['config']['temperature']:g}"
     return f"<!-- bench-turn2:{name}:start -->", f"<!-- bench-turn2:{name}:end -->"
 
 
@@ -175,8 +176,8 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     la = lambda v: "n/a" if v is None else ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
     hf = summ.get("hf", {}).get("overall")
     turn2 = cfg.get("turns", 1) == 2
-    parts = [markers(meta)[0], f"## {'Second turns of ' + meta['question_file'] if turn2 else 'Spec-Bench'}: "
-             "every method side by side", "",
+    title = f"Second turns of {meta['question_file']}, T = {cfg['temperature']:g}" if turn2 else "Spec-Bench"
+    parts = [markers(meta)[0], f"## {title}: every method side by side", "",
              f"Regenerate with `{meta['command']}` (`--questions all` for the whole split).", "",
              f"- Date: {meta['date']}; run took {meta['duration_s'] / 60:.1f} min.",
              f"- Machine: {mach['cpu']}, {mach['cores']} cores, torch threads {mach['threads']}"

@@ -109,6 +109,7 @@ def test_bench_second_turns_end_to_end(files, tmp_path):
     text = md.read_text()
     start, end = markers(meta)
     assert "the first turns' section" in text and start in text and end in text and start != START
+    assert start == "<!-- bench-turn2:question.jsonl:T=0:start -->"  # one section per question file and temperature
     assert "started cold" in text and "`suffix_tree`:" in text and "second turn through the chat template" in text
 
 
