@@ -161,6 +161,12 @@ class Registry:
                            min_score=float(self.eagle()[1].k) if name == "hybrid_suffix" else 0.0)
         return SuffixProposer(cfg, self._once(("suffix_cache", name), cfg.cache))
 
+    def reset_suffix_caches(self) -> None:
+        """Empty global trees for the suffix methods from now on (a bench's timed requests start
+        cold, after its warm-up and calibration)."""
+        for key in [key for key in self._memo if isinstance(key, tuple) and key[0] == "suffix_cache"]:
+            del self._memo[key]
+
     def trained_draft(self):
         """(draft, token_map, k)."""
         def make():

@@ -55,6 +55,7 @@ class Speculation(NamedTuple):
 
 
 EMPTY = Speculation([], [], [], 0.0, 0)
+NODE_BYTES = 140  # memory per node, edge dict and arrays together (tracemalloc, 460,000-node tree: 139)
 _SHIFT = 32  # an edge's key: parent id << 32 | token (token ids < 2^32)
 
 
@@ -277,6 +278,13 @@ class SuffixCache:
     def extend(self, rid: Optional[int], tokens: Sequence[int]) -> None:
         if rid is not None and rid in self._order and len(tokens):
             self.tree.extend(rid, tokens)
+
+    def memory(self) -> dict:
+        """The global tree's size: nodes, tokens held, cached and evicted requests, and bytes
+        (nodes x NODE_BYTES, the measured cost of a node)."""
+        n = self.tree.num_nodes
+        return dict(nodes=n, tokens=self.tree.total, requests=len(self._order), evicted=self.evicted,
+                    bytes=n * NODE_BYTES)
 
     def _over(self) -> bool:
         return len(self._order) > self.max_requests or (

@@ -105,6 +105,25 @@ def manifest() -> dict:
     return json.loads((DEFAULT_WORKLOAD.parent / "workload_manifest.json").read_text(encoding="utf-8"))
 
 
+def select(rows: List[dict], categories: Optional[tuple], per_category: Optional[int]) -> List[dict]:
+    """The first `per_category` rows of each chosen category (None: all), in file order
+    (reproducible); ValueError naming the file's categories for an unknown one."""
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    bad = [c for c in categories or () if c not in known]
+    if bad:
+        raise ValueError(f"unknown categories {bad}; the question file has {known}")
+    seen: Dict[str, int] = {}
+    out = []
+    for r in rows:
+        c = r["category"]
+        if categories and c not in categories:
+            continue
+        if per_category is None or seen.get(c, 0) < per_category:
+            out.append(r)
+            seen[c] = seen.get(c, 0) + 1
+    return out
+
+
 def load_conversations(path=MULTITURN) -> List[dict]:
     """The rows of a question file with at least two turns (each turn a string), in file order."""
     out = []

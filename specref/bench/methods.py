@@ -21,8 +21,8 @@ k = n_predict, alone or behind prompt lookup (`hybrid_mlp_speculator`); EAGLE-2 
 tree, alone or behind prompt lookup (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`,
 `hybrid_eagle3`, eagle3.py) the committed EAGLE-3 head as a chain, a dynamic tree, or behind
 prompt lookup. SuffixDecoding (`suffix`, `suffix_tree`, `hybrid_suffix`, suffix.py) keeps one global
-tree per method for the whole run (registry.py), filled in the order the questions run, the
-warm-up's output first. `ar_fp32` (only with a bf16/fp16
+tree per method for the whole run (registry.py): the runner empties it after the warm-up (and the
+picker's calibration), so it starts cold and sees the timed questions in file order. `ar_fp32` (only with a bf16/fp16
 model) is `ar` on a float32 copy of the same model, so one run gives a low-precision method's
 ratio to float32 decoding and the fraction of questions whose greedy output is unchanged.
 """
@@ -47,7 +47,7 @@ ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft"
 
 
 def load_model(cfg):
-    """(model, encode(text) -> chat-template token ids, eos id(s) or None, model name); cfg.attn, if
+    """(model, encode(text or messages) -> chat-template token ids, eos id(s) or None, model name); cfg.attn, if
     set, is the model's attention implementation (every layer reads config._attn_implementation)."""
     model, encode, eos, name = _load_model(cfg)
     if getattr(cfg, "attn", None):
@@ -64,7 +64,11 @@ def _load_model(cfg):
 
         V = 96
         model = tiny_model("llama", vocab_size=V, init_std=0.2, logit_scale=2.0, dtype=dtype).to(cfg.device)
-        return model, (lambda text: [1] + [2 + b % (V - 2) for b in text.encode()[:40]]), None, "tiny random Llama"
+
+        def tiny_encode(text) -> List[int]:  # a user turn, or chat messages: each turn's first 40 bytes
+            parts = [text] if isinstance(text, str) else [m["content"] for m in text]
+            return [t for part in parts for t in [1] + [2 + b % (V - 2) for b in part.encode()[:40]]]
+        return model, tiny_encode, None, "tiny random Llama"
     if cfg.model == "default":
         from ..models import load_default
 
@@ -80,9 +84,9 @@ def _load_model(cfg):
         tok = AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
         name = Path(cfg.model).name  # a folder by its name, not a path of this machine
 
-    def encode(text: str) -> List[int]:
-        out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=True)
+    def encode(text) -> List[int]:  # a user turn, or chat messages (a second turn: workloads.second_turns)
+        msgs = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)
+        out = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(out["input_ids"])
 
     eos = model.generation_config.eos_token_id

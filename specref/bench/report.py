@@ -22,7 +22,42 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ..suffix_tree import NODE_BYTES
+
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def markers(meta: dict) -> tuple:
+    """The (start, end) comments of a run's Markdown section: one section for first turns, one per
+    question file and temperature for second turns (so a multi-turn run never replaces the
+    single-turn tables, nor a greedy run a sampled one)."""
+    if meta["config"].get("turns", 1) == 1:
+        return START, END
+    name = f"{meta['question_file']}:T={meta['config']['temperature']:g}"
+    return f"<!-- bench-turn2:{name}:start -->", f"<!-- bench-turn2:{name}:end -->"
+
+
+def _turn_note(meta: dict) -> str:
+    """Which turn ran: the first, or the second after the stored greedy first answers."""
+    a = meta.get("answers")
+    if meta["config"].get("turns", 1) == 1 or not a:
+        return "first turn through the chat template"
+    return (f"second turn through the chat template: [user turn 1, the stored greedy first answer, user turn 2], "
+            f"the first answers from `{a['name']}` (sha256 {a['sha256'][:12]}; {a['model']}, {a['decoding']}, "
+            f"at most {a['max_new_tokens']} tokens), the same context for every method")
+
+
+def suffix_notes(meta: dict) -> List[str]:
+    """SuffixDecoding's global trees: how they started and how large they ended (older results: none)."""
+    sc = meta.get("suffix_cache")
+    if not sc:
+        return []
+    out = [f"- SuffixDecoding: each method's global tree started {sc['start']} (emptied after the warm-up) and saw "
+           f"the requests in {sc['order']}, one request per question; at the end of the run:"]
+    for name, m in sc["memory"].items():
+        out.append(f"  - `{name}`: {m['nodes']:,} nodes, {m['bytes'] / 2**20:.1f} MiB (nodes x {NODE_BYTES} bytes, measured), "
+                   f"{m['tokens']:,} tokens of {m['requests']} requests cached, {m['evicted']} evicted.")
+    return out
 
 
 def first_difference(tokens: List[int], base: List[int]) -> Optional[int]:
@@ -140,7 +175,9 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
     mach, cfg = meta["machine"], meta["config"]
     la = lambda v: "n/a" if v is None else ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
     hf = summ.get("hf", {}).get("overall")
-    parts = [START, "## Spec-Bench: every method side by side", "",
+    turn2 = cfg.get("turns", 1) == 2
+    title = f"Second turns of {meta['question_file']}, T = {cfg['temperature']:g}" if turn2 else "Spec-Bench"
+    parts = [markers(meta)[0], f"## {title}: every method side by side", "",
              f"Regenerate with `{meta['command']}` (`--questions all` for the whole split).", "",
              f"- Date: {meta['date']}; run took {meta['duration_s'] / 60:.1f} min.",
              f"- Machine: {mach['cpu']}, {mach['cores']} cores, torch threads {mach['threads']}"
@@ -154,11 +191,11 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
              f"- Python {mach['python']}, torch {mach['torch']}, transformers {mach['transformers']}.",
              f"- Model: {meta['model']}, {cfg['dtype']}, device {cfg['device']}, compile {cfg['compile']}; "
              f"{meta['num_questions']} questions ({'all' if cfg['questions'] is None else cfg['questions']} "
-             f"per category, first in file order) of `{os.path.basename(meta['question_file'])}`{_workload_note(meta)}, first "
-             f"turn through the chat template; {cfg['max_new_tokens']} new tokens; temperature "
+             f"per category, first in file order) of `{os.path.basename(meta['question_file'])}`{_workload_note(meta)}, "
+             f"{_turn_note(meta)}; {cfg['max_new_tokens']} new tokens; temperature "
              f"{cfg['temperature']}; batch 1; KV cache of specref methods: {meta['cache']}.",
              "- Interleaved: every method runs on a question before any runs on the next (order rotated "
-             "per question), after one untimed warm-up call each."]
+             "per question), after one untimed warm-up call each.", *suffix_notes(meta)]
     for m, why in meta["skipped"].items():
         parts.append(f"- Not measured: `{m}`: {why}.")
     if hf:
@@ -182,7 +219,7 @@ def markdown(result: dict, png: Optional[Path], md_dir: Path) -> str:
         parts.append("")
     if png is not None:
         parts += [f"![speed-up and tau per method and category]({os.path.relpath(png.resolve(), md_dir)})", ""]
-    parts.append(END)
+    parts.append(markers(meta)[1])
     return "\n".join(parts)
 
 
@@ -233,6 +270,6 @@ def write_outputs(result: dict, out_dir: Path, md_path: Optional[Path]) -> dict:
     plot(result, png)
     paths = {"json": js, "png": png, "table": overall_table(result)}
     if md_path is not None:
-        splice(md_path, markdown(result, png, md_path.resolve().parent))
+        splice(md_path, markdown(result, png, md_path.resolve().parent), *markers(result["meta"]))
         paths["markdown"] = md_path
     return paths

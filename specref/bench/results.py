@@ -83,6 +83,10 @@ def load_runs(paths: List[Path], commit: Optional[str] = None) -> List[dict]:
         commit = commit or result["meta"].get("commit") or _git(
             "log", "-1", "--diff-filter=AM", "--format=%h", "--", str(p))
         runs.append(dict(path=Path(p), commit=commit or "uncommitted", result=result))
+    turns = {r["result"]["meta"]["config"].get("turns", 1) for r in runs}
+    if turns - {1}:  # this document is the first turns' (a second-turn run has its own bench --markdown section)
+        raise ValueError("the results document renders first-turn runs only; a --turns 2 run writes its own "
+                         "section with `python -m specref bench --turns 2 ... --markdown FILE`")
     return runs
 
 

@@ -7,9 +7,14 @@ workloads.py). Every result names the workload it ran (name, sha256, rows).
 Spec-Bench (Xia et al. 2024, "Unlocking Efficiency in Large Language Model Inference: A
 Comprehensive Survey of Speculative Decoding") compares speculative methods on one machine, one
 model and one question set. Here: the first turn of each question through the model's chat
-template, every method on question i before any method on question i+1 (the order of methods
-rotates from question to question, so slow drift of the machine's load hits all of them alike),
-after one untimed warm-up call of each method (32 tokens). Methods:
+template (`--turns 2 --answers FILE`: the second turn of each conversation, the rows of two or more
+turns, as [user turn 1, the stored greedy first answer, user turn 2]; FILE from `python -m specref
+multiturn`, made for the same question file; bench/multiturn.py), every method on question i
+before any method on question i+1 (the order of methods rotates from question to question, so slow
+drift of the machine's load hits all of them alike), after one untimed warm-up call of each method
+(32 tokens, a prompt outside the workload). SuffixDecoding's global trees are emptied after the
+warm-up (and the picker's calibration): they start cold and see the timed questions in file order;
+their size at the end (nodes, bytes) is recorded. Methods:
   ar         specref `autoregressive_generate` (static cache): the baseline of every ratio
   ar_fp32    the same on a float32 copy of the model, its own attention (with --dtype bfloat16 / float16)
   hf         transformers `model.generate`, greedy/sampled, dynamic cache
@@ -43,7 +48,7 @@ v = the method's verify forward / one `ar` forward (what the closed form leaves 
 greedy output equals `ar` token for token. The methods live in methods.py, the reporting in report.py.
 Batch > 1: `--batch-size 1 4 16` (bench/batch.py; `--refill`: also as queues through scheduler.py). `--pick`: the picker (picker.py) calibrates on
 the same prompts and methods after the warm-up, timed apart, and its predictions are compared with
-the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png). Left out: second turns.
+the measured speed-ups (bench/picker_check.py: <out>/picker.md, .json, .png).
 """
 from __future__ import annotations
 
@@ -61,9 +66,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..target import Target, TargetConfig
-from ..workloads import describe, label, portable_name, question_file
+from ..workloads import describe, label, portable_name, question_file, select
 from .methods import ALL_METHODS, EXTRA_METHODS, build_methods, load_model
-from .report import first_difference
+from .multiturn import answers_info, prompt_of, second_turn_file, second_turn_questions
+from .report import first_difference, suffix_notes
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ class BenchConfig:
     # file (chosen categories), stratified by category, within the automatic budget (calibrate.budget_for)
     weights: tuple = ()  # ((kind, path), ...): trained weights instead of the committed ones (registry.py)
     verify: str = "tokenwise"  # speculative_generate(verify=...) for the methods that take it (registry.verify_rules)
+    turns: int = 1  # 1: first turns; 2: second turns of the conversations, first answers from `answers`
+    answers: Optional[str] = None  # turns 2: a first-answers file (python -m specref multiturn)
 
 
 # ----------------------------------------------------------------------------- questions
@@ -108,22 +116,16 @@ def load_questions(path: Path, categories: Optional[tuple], per_category: Option
     """First `per_category` questions of each chosen category, in file order (reproducible)."""
     import json
 
-    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    known = list(dict.fromkeys(r["category"] for r in rows))
-    if categories:
-        bad = [c for c in categories if c not in known]
-        if bad:
-            raise ValueError(f"unknown categories {bad}; the question file has {known}")
-    seen: Dict[str, int] = {}
-    out = []
-    for r in rows:
-        c = r["category"]
-        if categories and c not in categories:
-            continue
-        if per_category is None or seen.get(c, 0) < per_category:
-            out.append(r)
-            seen[c] = seen.get(c, 0) + 1
-    return out
+    return select([json.loads(line) for line in open(path, encoding="utf-8") if line.strip()], categories, per_category)
+
+
+def bench_questions(cfg: BenchConfig, per_category: Optional[int]) -> tuple:
+    """(question file, chosen questions): first turns, or (cfg.turns 2) the conversations' second turns."""
+    if cfg.turns == 1:
+        qfile = find_question_file(cfg.question_file)
+        return qfile, load_questions(qfile, cfg.categories, per_category)
+    qfile = second_turn_file(cfg.question_file, cfg.answers)
+    return qfile, second_turn_questions(qfile, cfg.answers, cfg.categories, per_category)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -177,9 +179,8 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
 
     t_start = time.perf_counter()
     machine, date = _machine(torch.device(cfg.device)), time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    qfile = find_question_file(cfg.question_file)
+    qfile, questions = bench_questions(cfg, cfg.questions)
     workload = describe(qfile)
-    questions = load_questions(qfile, cfg.categories, cfg.questions)
     if not questions:
         raise ValueError(f"no questions selected from {workload['name']}")
     print(label(workload), file=sys.stderr)
@@ -197,7 +198,7 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     reg = Registry(model, target, kind="tiny" if cfg.model == "tiny" else "default" if cfg.model == "default"
                    else "custom", draft_k=cfg.draft_k, lookahead=cfg.lookahead, weights=dict(cfg.weights))
     methods, skipped = build_methods(cfg, model, eos, target, registry=reg)
-    prompts = [torch.tensor([encode(q["turns"][0])], device=dev) for q in questions]  # (1, T) each
+    prompts = [torch.tensor([encode(prompt_of(q))], device=dev) for q in questions]  # (1, T) each
     for m in methods:
         if m.prepare is not None:
             m.prepare([p[0].tolist() for p in prompts])  # auto: the workload it calibrates on
@@ -219,12 +220,13 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
 
         cand = tuple(m.name for m in methods if m.specref and m.name != "ar")
         whole = cfg.pick_from == "workload"
-        pool = load_questions(qfile, cfg.categories, None) if whole else questions
+        pool = bench_questions(cfg, None)[1] if whole else questions
         pc = PickerConfig(methods=cand, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                           replay_tokens=cfg.pick_tokens, budget_s="auto" if whole else None, seed=cfg.seed,
                           progress=cfg.progress)
-        cal = calibrate(model, [encode(q["turns"][0]) for q in pool] if whole else [p[0].tolist() for p in prompts],
+        cal = calibrate(model, [encode(prompt_of(q)) for q in pool] if whole else [p[0].tolist() for p in prompts],
                         pc, reg, groups=[q["category"] for q in pool])
+    reg.reset_suffix_caches()  # the timed questions start from empty global trees, in file order
     t_loop = time.perf_counter()
     records: Dict[str, List[dict]] = {m.name: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods), desc="spec-bench", disable=not cfg.progress)
@@ -249,10 +251,17 @@ def run_bench(cfg: BenchConfig, command: str = "") -> dict:
     meta = dict(command=command, date=date, model=model_name,
                 question_file=workload["name"], workload=workload,
                 config={**asdict(cfg), "question_file": workload["name"], "model": portable_name(cfg.model),
-                        "weights": [(kind, portable_name(p)) for kind, p in cfg.weights]},
+                        "weights": [(kind, portable_name(p)) for kind, p in cfg.weights],
+                        "answers": cfg.answers and portable_name(cfg.answers)},
                 skipped=skipped, num_questions=len(questions), machine=machine,
                 labels={m.name: m.label for m in methods}, specref={m.name: m.specref for m in methods},
                 ks={m.name: m.k for m in methods}, verify=_rules(cfg, methods), cache="fixed" if fixed else "per question, 128-slot buckets")
+    if cfg.turns == 2:
+        meta["answers"] = answers_info(cfg.answers)
+    suffix = [m.name for m in methods if m.name in ("suffix", "suffix_tree", "hybrid_suffix")]
+    if suffix:  # each method's own global tree at the end of the run (suffix_tree.SuffixCache.memory)
+        meta["suffix_cache"] = dict(start="cold", order="file order", memory={n: reg.suffix(n).cache.memory()
+                                                                               for n in suffix})
     meta["machine"]["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     meta["duration_s"] = time.perf_counter() - t_start
     meta["timed_loop_s"] = t_loop
@@ -298,8 +307,7 @@ def bench_main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m specref bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", nargs="+", default=None, help=f"any of {', '.join(ALL_METHODS)} (default all), "
-                    "or auto (the picker's pick, k per step from the costs at the batch size: picker/auto.py)")
+    ap.add_argument("--methods", nargs="+", default=None, help=f"any of {', '.join(ALL_METHODS + EXTRA_METHODS)} (default: all but auto)")
     ap.add_argument("--categories", nargs="+", default=None, help="default: every category")
     ap.add_argument("--questions", default="1", help="questions per category (first N in file order), or 'all'")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -312,6 +320,10 @@ def bench_main(argv=None) -> int:
                          "eager attention was block-invariant here (docs/experiments/cpu_speed.md, bf16 on CPU)")
     ap.add_argument("--question-file", default=None, help="Spec-Bench's question.jsonl or any JSONL of its shape "
                     "(default: $SPECREF_SPEC_BENCH, else the workload shipped with specref, which is NOT Spec-Bench)")
+    ap.add_argument("--turns", type=int, default=1, choices=(1, 2), help="1: first turns; 2: the second turns "
+                    "of the question file's conversations (rows of 2+ turns), after the first answers of --answers")
+    ap.add_argument("--answers", default=None, help="with --turns 2: the first-answers file of `python -m specref "
+                    "multiturn` for the same question file (default question file: the one the answers were made for)")
     ap.add_argument("--model", default="default", help="'default' or a local model folder")
     ap.add_argument("--draft-k", type=int, default=None, help="draft tokens of the trained draft, and "
                     "the most per step of the EAGLE head (default: closed-form optimum)")
@@ -345,8 +357,6 @@ def bench_main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="with --batch-size: every batch and queue N times, interleaved; tokens/s the median")
     a = ap.parse_args(argv)
-    if a.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if a.questions == "all":
         per = None
     elif a.questions.isdigit() and int(a.questions) > 0:
@@ -361,6 +371,10 @@ def bench_main(argv=None) -> int:
         raise ValueError("--device cuda: no CUDA device is available")
     if a.weights and a.model == "tiny":
         raise ValueError("--weights does not apply to --model tiny (its learned methods use untrained heads)")
+    if (a.turns == 2) != (a.answers is not None):
+        raise ValueError("--turns 2 and --answers FILE go together (the first answers of the conversations)")
+    if a.turns == 2 and a.batch_size != [1]:
+        raise ValueError("--turns 2 runs at batch size 1 only")
     if a.threads:
         torch.set_num_threads(a.threads)
     methods = _split(a.methods) or ALL_METHODS
@@ -375,13 +389,15 @@ def bench_main(argv=None) -> int:
                       compile=a.compile, dtype=a.dtype, attn=a.attn, question_file=a.question_file, model=a.model,
                       draft_k=a.draft_k, seed=a.seed, progress=not a.no_progress,
                       pick=a.pick, pick_tokens=a.pick_tokens, pick_from=a.pick_from, weights=tuple(a.weights),
-                      verify=a.verify)
+                      verify=a.verify, turns=a.turns, answers=a.answers)
     args = list(sys.argv[1:] if argv is None else argv)
     args = args[1:] if args[:1] == ["bench"] else args
-    path_flags = {"--question-file", "--out", "--markdown"}  # recorded by name: no path of this machine
+    path_flags = {"--question-file", "--out", "--markdown", "--answers"}  # recorded by name: no path of this machine
     args = [portable_name(x) if i and args[i - 1] in path_flags else x for i, x in enumerate(args)]
     command = "python -m specref bench " + " ".join(shlex.quote(x) for x in args)
     sizes = a.batch_size
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if any(b < 1 for b in sizes) or sorted(set(sizes)) != list(sizes):
         raise ValueError(f"--batch-size must be increasing ints >= 1, got {sizes}")
     if sizes != [1]:
@@ -405,7 +421,7 @@ def bench_main(argv=None) -> int:
     md = None if a.markdown == "none" else Path(a.markdown)
     paths = write_outputs(result, Path(a.out), md)
     print("\n" + paths["table"])
-    print("\n" + label(result["meta"]["workload"]))
+    print("\n" + "\n".join([label(result["meta"]["workload"]), *suffix_notes(result["meta"])]))
     print("\nwrote " + ", ".join(str(p) for k, p in paths.items() if k != "table"))
     if "picker" in result:
         from ..picker import save
