@@ -148,7 +148,8 @@ def methods_table(runs: List[dict]) -> str:
 
 
 def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[str], commit: str, date: str,
-                        overall_png: Optional[str] = None, batch_file: Optional[str] = None) -> str:
+                        overall_png: Optional[str] = None, batch_file: Optional[str] = None,
+                        sampled: Optional[str] = None) -> str:
     """The whole BENCHMARKS.md."""
     merged, source = merge(runs)
     meta, mach, cfg = merged["meta"], merged["meta"]["machine"], merged["meta"]["config"]
@@ -182,6 +183,8 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
             parts += [f"The batch table below is an earlier committed run, `{batch_file}`, rendered with `--batch-json`; "
                       "its command and date are stated with it.", ""]
         parts += ["\n".join(line for line in batch_markdown(batch).splitlines() if not line.startswith("<!--")), ""]
+    if sampled:
+        parts += [sampled]
     return "\n".join(parts)
 
 
@@ -253,6 +256,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-methods", nargs="+", default=None,
                     help="methods of the batch table (default: every registry method and transformers' generate)")
     ap.add_argument("--from-json", nargs="+", default=None, help="render these bench JSON files; no run")
+    ap.add_argument("--sampled-json", nargs="+", default=None,
+                    help="seeded runs at T > 0 (bench.json, one per verification rule and seed; benchmarks/sampled/) "
+                         "rendered as the sampled table (sampled.py)")
     ap.add_argument("--batch-json", default=None, help="render this batch.json (its own run, named with its "
                     "command and date) instead of running the batch bench")
     a = ap.parse_args(argv)
@@ -273,9 +279,15 @@ def main(argv=None) -> int:
     plot(merged, png)
     plot_overall(merged, png.with_name("overall.png"))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    sampled = None
+    if a.sampled_json:
+        from .sampled import sampled_markdown
+
+        sampled = sampled_markdown([Path(p) for p in a.sampled_json], [_rel(Path(p), REPO) for p in a.sampled_json])
     out.write_text(benchmarks_markdown(runs, batch, _rel(png, out.parent), commit, date,
                                         _rel(png.with_name("overall.png"), out.parent),
-                                        batch_file=a.batch_json and _rel(Path(a.batch_json), REPO)), encoding="utf-8")
+                                        batch_file=a.batch_json and _rel(Path(a.batch_json), REPO),
+                                        sampled=sampled), encoding="utf-8")
     if a.readme != "none":
         splice_readme(Path(a.readme), methods_table(runs))
     print(f"wrote {out}, {png}" + ("" if a.readme == "none" else f", the methods table of {a.readme}"))
