@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .rejection_common import ChainResult, _check_probs, _draft_lengths, _vocab_of
+from .rejection_common import ChainResult, chain_inputs
 from .sampling import Generators, ragged_uniforms, sample_from_probs
 
 
@@ -54,15 +54,9 @@ def verify_chain_block(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[
     checks (lengths then required); draws as verify_chain's. Vectorised over rows; one loop over
     the K positions for the running weight. Returns ChainResult(tokens (B, K+1), num_accepted (B,)).
     """
-    V = _vocab_of(p, "(B, K+1, V)")
-    if isinstance(draft_tokens, torch.Tensor):
-        draft_tokens = draft_tokens.to(p.device)
-    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens", validate)
+    draft_tokens, p, q, lengths, valid = chain_inputs(draft_tokens, p, q, lengths, validate)
     B, K = draft_tokens.shape
-    rows_p = torch.arange(K + 1, device=p.device)[None, :] <= lengths[:, None]  # (B, K+1)
-    p = _check_probs(p, "p", (B, K + 1, V), rows_p, validate)
-    if q is not None:
-        q = _check_probs(q, "q", (B, K, V), valid, validate)
+    V = p.shape[-1]
     dev, dt = p.device, wide(p.device)
     u = ragged_uniforms(lengths + 1, K + 1, generator, dev, fixed=draws)  # (B, K+1), row b uses lengths[b] + 1
     x = draft_tokens.clamp(min=0).long()  # (B, K) placeholders read token 0, masked by `valid`

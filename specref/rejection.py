@@ -57,7 +57,7 @@ from typing import Optional
 import torch
 
 from .block_verify import verify_chain_block  # noqa: F401  (re-exported: Sun et al.'s block rule)
-from .rejection_common import (PROB_SUM_TOL, ChainResult, TreeResult, _check_probs, _check_tree_probs,  # noqa: F401
+from .rejection_common import (PROB_SUM_TOL, ChainResult, TreeResult, _check_probs, _check_tree_probs, chain_inputs,  # noqa: F401
                                _draft_lengths, _path_of, _target_argmax, _tree_output, _tree_structure, _vocab_of)
 from .sampling import Generators, ragged_uniforms, sample_from_probs
 from .traversal import verify_tree_traversal  # noqa: F401  (re-exported: Weng et al.'s traversal rule)
@@ -91,15 +91,8 @@ def verify_chain(draft_tokens: torch.Tensor, p: torch.Tensor, q: Optional[torch.
     of lengths[b] + 1 (the loop passes its proposer's k + 1: a constant, so rows stay independent,
     and no length is read back from the device).
     """
-    V = _vocab_of(p, "(B, K+1, V)")
-    if isinstance(draft_tokens, torch.Tensor):
-        draft_tokens = draft_tokens.to(p.device)
-    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens", validate)
+    draft_tokens, p, q, lengths, valid = chain_inputs(draft_tokens, p, q, lengths, validate)
     B, K = draft_tokens.shape
-    rows_p = torch.arange(K + 1, device=p.device)[None, :] <= lengths[:, None]  # (B, K+1)
-    p = _check_probs(p, "p", (B, K + 1, V), rows_p, validate)
-    if q is not None:
-        q = _check_probs(q, "q", (B, K, V), valid, validate)
     dev = p.device
     u = ragged_uniforms(lengths + 1, K + 1, generator, dev, fixed=draws)  # (B, K+1), row b uses lengths[b] + 1
     x = draft_tokens.clamp(min=0)  # (B, K) placeholders read token 0, masked by `valid`

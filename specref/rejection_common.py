@@ -149,6 +149,21 @@ def _target_argmax(x: torch.Tensor, B: int, R: int, validate: bool = True) -> to
                      f"got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
 
 
+def chain_inputs(draft_tokens, p, q, lengths, validate: bool):
+    """The checked inputs of a chain rule (verify_chain's convention): draft_tokens (B, K) on p's
+    device, p (B, K+1, V), q (B, K, V) or None, lengths (B,), valid (B, K) bool."""
+    V = _vocab_of(p, "(B, K+1, V)")
+    if isinstance(draft_tokens, torch.Tensor):
+        draft_tokens = draft_tokens.to(p.device)
+    lengths, valid = _draft_lengths(draft_tokens, lengths, V, "draft_tokens", validate)
+    B, K = draft_tokens.shape
+    rows_p = torch.arange(K + 1, device=p.device)[None, :] <= lengths[:, None]  # (B, K+1)
+    p = _check_probs(p, "p", (B, K + 1, V), rows_p, validate)
+    if q is not None:
+        q = _check_probs(q, "q", (B, K, V), valid, validate)
+    return draft_tokens, p, q, lengths, valid
+
+
 def _vocab_of(p, shape: str) -> int:
     """V of the target distributions p, which must be 3-d: shape names the expected (B, R, V)."""
     if not isinstance(p, torch.Tensor) or p.dim() != 3:

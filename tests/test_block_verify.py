@@ -190,3 +190,14 @@ def test_oracle_verdict_under_the_lossless_law():
     rep = check_rejection_sampler(verify_chain_block, samples=30_000, seed=0, cases=cs)
     assert rep.verdict == "PASS", rep.summary()
     assert check_rejection_sampler(verify_chain_block, law="tokenwise", samples=4_000, seed=0).verdict == "FAIL"
+
+
+def test_chain_inputs_shared_by_both_chain_rules():
+    """rejection_common.chain_inputs: the checks verify_chain and verify_chain_block share."""
+    from specref.rejection_common import chain_inputs
+
+    p = torch.full((2, 3, 4), 0.25)
+    toks, p2, q2, lengths, valid = chain_inputs(torch.tensor([[1, 2], [3, -1]]), p, None, None, True)
+    assert lengths.tolist() == [2, 1] and valid.tolist() == [[True, True], [True, False]] and q2 is None
+    with pytest.raises(ValueError):
+        chain_inputs(torch.tensor([[1, 2]]), p, None, None, True)  # p for 2 rows, 1 draft row
