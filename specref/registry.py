@@ -27,6 +27,7 @@ METHODS: Dict[str, str] = {
     "draft": "the trained reduced-vocabulary draft model (k by the closed form)",
     "eagle": "EAGLE-1 head, chain (adaptive k)",
     "eagle2": "EAGLE-2 dynamic tree from the EAGLE-1 head",
+    "eagle2_sampled": "EAGLE-2 tree from the EAGLE-1 head, siblings sampled without replacement (traversal)",
     "eagle3": "EAGLE-3 head (fused features, training-time test), chain (adaptive k)",
     "eagle3_tree": "EAGLE-3 head, EAGLE-2 dynamic tree",
     "hybrid": "prompt lookup where it matches, else the EAGLE-1 head",
@@ -47,24 +48,26 @@ METHODS: Dict[str, str] = {
     "hybrid_suffix": "SuffixDecoding where its score reaches the EAGLE-1 head's k, else the head",
 }
 LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid": "eagle", "hybrid_tree": "eagle",
-           "eagle2": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3", "eagle3_tree": "eagle3",
+           "eagle2": "eagle", "eagle2_sampled": "eagle", "hybrid_eagle2": "eagle", "eagle3": "eagle3",
+           "eagle3_tree": "eagle3",
            "hybrid_eagle3": "eagle3", "medusa": "medusa", "medusa_typical": "medusa", "hybrid_medusa": "medusa",
            "hydra": "hydra", "hybrid_hydra": "hydra", "mtp": "mtp",
            "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator", "hybrid_suffix": "eagle"}
 
 
-TREES = {"eagle2", "eagle3_tree", "hybrid_tree", "hybrid_eagle2", "medusa", "medusa_typical", "hybrid_medusa",
-         "hydra", "hybrid_hydra", "lookahead"}  # methods that draft token trees (the rest: chains, or nothing)
+TREES = {"eagle2", "eagle2_sampled", "eagle3_tree", "hybrid_tree", "hybrid_eagle2", "medusa", "medusa_typical",
+         "hybrid_medusa", "hydra", "hybrid_hydra", "lookahead"}  # methods that draft token trees (the rest: chains, or nothing)
 
 
 def verify_rules(name: str) -> Tuple[str, ...]:
     """The rules of speculative_generate(verify=...) a method takes (prepare.VERIFY_RULES). Token-wise:
     every one. "block" (Sun et al.): the chain methods (a deterministic chain, q None, is verified
     token-wise under it: block verification gains nothing there). "traversal" (Weng et al.): trees of
-    siblings drawn without replacement, which none of these methods drafts (top-k siblings, or an
-    n-gram and a head's draw side by side), so none takes it. "ar" and the lossy typical acceptance:
-    token-wise only."""
+    siblings drawn without replacement, eagle2_sampled's (the other trees draft top-k siblings, or an
+    n-gram and a head's draw side by side). "ar" and the lossy typical acceptance: token-wise only."""
     check_method(name)
+    if name == "eagle2_sampled":
+        return ("tokenwise", "traversal")
     if name in ("ar", "medusa_typical") or name in TREES:
         return ("tokenwise",)
     return ("tokenwise", "block")
@@ -326,6 +329,10 @@ class Registry:
 
             p = Eagle2Proposer(self.eagle(3 if name == "eagle3_tree" else 1)[0], self.eagle2_config())
             return p if name != "hybrid_eagle2" else HybridProposer(NgramProposer(self.ngram_config()), p)
+        if name == "eagle2_sampled":
+            from .eagle_sampled import Eagle2SampledProposer
+
+            return Eagle2SampledProposer(self.eagle()[0], self.eagle2_config())
         if name in ("eagle3", "hybrid_eagle3"):
             from .eagle_head import EagleProposer
 
@@ -378,10 +385,12 @@ class Registry:
             how = " and EAGLE-1 head as a 2-branch tree" if name == "hybrid_tree" else ", else EAGLE-1 head"
             return (f"specref n-gram{how} (adaptive, k<={ec.k}; {costs(self.ngram_config())} / "
                     f"{costs(ec)})")
-        if name in ("eagle2", "hybrid_eagle2", "eagle3_tree"):
+        if name in ("eagle2", "hybrid_eagle2", "eagle3_tree", "eagle2_sampled"):
             t = self.eagle2_config()
             tree = (f"EAGLE-2 tree (top_k {t.top_k}, depth {t.depth}, <= {t.total_tokens} nodes, "
                     f"V >= {t.min_value:.3f})")
+            if name == "eagle2_sampled":
+                return f"specref EAGLE-1 head, {tree[:-1]}, siblings sampled without replacement)"
             if name == "eagle3_tree":
                 return f"specref EAGLE-3 head, {tree}"
             return f"specref EAGLE-1 head, {tree}" if name == "eagle2" else \

@@ -137,6 +137,18 @@ class SuffixProposer:
             self._local[b] = built[key].copy()
         self._sync(ctx)
 
+    def reset_rows(self, ctx: Context, rows: torch.Tensor, hidden=None) -> None:
+        """Rows that took a new request (scheduler.py): each starts a new request tree from its
+        prompt and a new request in the global tree (the old request stays there, finished, until
+        evicted). Draws nothing."""
+        B = ctx.tokens.shape[0]
+        if len(self._local) != B:
+            return self.begin(ctx, None, None)
+        prompts = (ctx.prompt_lengths if ctx.prompt_lengths is not None else ctx.lengths).tolist()
+        for b in rows.tolist():
+            self._new_request(b, int(prompts[b]))
+        self._sync(ctx)
+
     def _new_request(self, b: int, prompt_len: int) -> None:
         tree, rid = SuffixTree(self.config.max_depth), self.cache.start()
         if b == len(self._local):

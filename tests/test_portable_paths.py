@@ -1,4 +1,5 @@
-"""Nothing in the repository depends on, or records, where one machine keeps its files.
+"""Nothing in the repository depends on, or records, where one machine keeps its files; (c) the
+tracked tree stays under 45 MB.
 
 (a) The library never reaches outside its checkout for data: no `shared/` folder beside the
 repository, no walking up past the package (`parents[3]`), no home, work or temp folder. (System
@@ -61,3 +62,11 @@ def test_no_committed_weight_file_names_a_machine_path():
     assert files
     bad = [f"{p.name}: {m.group(0)}" for p in files for m in [MACHINE.search(str(read_weights(p, names=())[1]))] if m]
     assert not bad, "machine paths in the metadata of committed weight files:\n" + "\n".join(bad)
+
+
+def test_the_tracked_tree_stays_under_45_mb():
+    """Weights and the corpus are committed, so every new file is paid for by every clone: the
+    tracked files (git ls-files) stay under 45 MB (10^6 bytes) in all."""
+    paths = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    total = sum((REPO / p.decode()).stat().st_size for p in paths if p and (REPO / p.decode()).is_file())
+    assert 1_000_000 < total < 45_000_000, f"{total / 1e6:.1f} MB tracked"

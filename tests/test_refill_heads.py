@@ -1,6 +1,6 @@
 """reset_rows of the feature-reading proposers (eagle_head.py, eagle_tree.py, eagle3.py,
 medusa_heads.py with and without a prefix layer, mtp.py, mlp_speculator.py; the shared
-proposer.refill_context; hybrid.py over them): a finished row takes the next request and its state restarts from that
+proposer.refill_context; hybrid.py over them) and of suffix.py (its request trees): a finished row takes the next request and its state restarts from that
 request's prefill features, the other rows untouched. Random heads (greedy parity holds for any
 draft); that the drafts of a refilled row are its request's alone is shown draft by draft against
 one fresh begin() per request (greedy drafts are a function of the request's context)."""
@@ -19,6 +19,7 @@ from specref.models import tiny_model
 from specref.mtp import MTPConfig, MTPProposer, MTPStack
 from specref.ngram import NgramConfig, NgramProposer
 from specref.scheduler import Request, schedule
+from specref.suffix import SuffixConfig, SuffixProposer
 
 V = 16
 SMALL = [[0], [1], [0, 0], [0, 0, 0]]  # a Medusa tree of 4 nodes over 3 heads
@@ -38,6 +39,10 @@ PROPOSERS = {
     "hybrid_tree": lambda t: HybridProposer(NgramProposer(NgramConfig(k=3, min_n=1)), PROPOSERS["eagle"](t),
                                             HybridConfig(mode="tree")),
     "hybrid_medusa": lambda t: HybridProposer(NgramProposer(NgramConfig(k=3, min_n=1)), PROPOSERS["medusa"](t)),
+    # SuffixDecoding without its global tree: a draft is then a function of the request alone
+    "suffix_tree": lambda t: SuffixProposer(SuffixConfig(k=4, max_depth=8, max_cached_requests=0, tree=True)),
+    "hybrid_suffix": lambda t: HybridProposer(SuffixProposer(SuffixConfig(k=3, max_depth=8, max_cached_requests=0)),
+                                              PROPOSERS["eagle"](t)),
     "mlp_speculator": lambda t: MLPSpeculatorProposer(MLPSpeculator(t, 3, token_map=torch.arange(12), seed=3).eval(),
                                                       MLPSpeculatorConfig(k=3)),
 }

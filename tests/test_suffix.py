@@ -230,6 +230,34 @@ def test_a_refilled_row_is_a_new_request():
     assert prop.cache.requests == [0, 1, 2] and prop._local[1].seqs[0] == [6, 6, 6]
 
 
+def test_reset_rows_starts_a_new_request_even_at_the_old_prompt_length(target):
+    """reset_rows (scheduler.py's refill): the row's new prompt alone in its tree, a new id in the
+    global tree, though its prompt is as long as the old one's (where update() alone cannot tell);
+    through the scheduler every request's tokens are `ar`'s and no row idles while requests wait."""
+    from specref.proposer import Context
+    from specref.scheduler import Request, schedule
+
+    prop = SuffixProposer(SuffixConfig(k=4))
+    tok = torch.tensor([[1, 2, 3, 1, 2, 0], [4, 5, 4, 5, 0, 0]])  # (2, 6)
+    ctx = Context(tokens=tok.clone(), lengths=torch.tensor([5, 4]), active=torch.ones(2, dtype=torch.bool),
+                  prompt_lengths=torch.tensor([3, 4]))
+    prop.begin(ctx, None, None)
+    ctx.tokens[0] = torch.tensor([7, 8, 9, 0, 0, 0])
+    ctx.lengths = torch.tensor([3, 4])
+    prop.reset_rows(ctx, torch.tensor([0]))
+    assert prop.cache.requests == [0, 1, 2] and prop._local[0].seqs[0] == [7, 8, 9]
+    assert prop._local[1].seqs[0] == [4, 5, 4, 5]  # the other row untouched
+    g = torch.Generator().manual_seed(4)
+    reqs = [Request(torch.randint(0, V, (int(torch.randint(2, 8, (), generator=g)),), generator=g).tolist(),
+                    max_new_tokens=int(torch.randint(4, 20, (), generator=g))) for _ in range(7)]
+    ref = [autoregressive_generate(target, torch.tensor(r.prompt), max_new_tokens=r.max_new_tokens,
+                                   temperature=0).row(0) for r in reqs]
+    prop = SuffixProposer(SuffixConfig(k=4))
+    out = schedule(target, prop, reqs, batch_size=3, refill="row", temperature=0)
+    assert out.tokens == ref and out.stats.idle_row_steps == 0
+    assert prop.cache.requests == list(range(7)) and out.stats.num_draft_tokens > 0
+
+
 def _hybrid(target, tree=False, min_score=1.5, k=2, **kw):
     """SuffixDecoding where its score reaches min_score, else a 1-layer truncated draft (sampled q)."""
     return HybridProposer(SuffixProposer(SuffixConfig(k=3, tree=tree, min_score=min_score, **kw)),

@@ -18,7 +18,8 @@ file format over their tree; `hf_static` is transformers' generate with its stat
 CUDA: the baseline a compiled specref `ar` must match); MTP the committed modules (mtp.py) as a
 chain of k = max(D, 3); the MLP speculator (mlp_speculator.py) its committed stages as a chain of
 k = n_predict, alone or behind prompt lookup (`hybrid_mlp_speculator`); EAGLE-2 (`eagle2`, eagle_tree.py) the same EAGLE-1 head growing a dynamic
-tree, alone or behind prompt lookup (`hybrid_eagle2`); EAGLE-3 (`eagle3`, `eagle3_tree`,
+tree, alone or behind prompt lookup (`hybrid_eagle2`), or with siblings sampled without replacement
+(`eagle2_sampled`, eagle_sampled.py: the tree traversal verification covers); EAGLE-3 (`eagle3`, `eagle3_tree`,
 `hybrid_eagle3`, eagle3.py) the committed EAGLE-3 head as a chain, a dynamic tree, or behind
 prompt lookup. SuffixDecoding (`suffix`, `suffix_tree`, `hybrid_suffix`, suffix.py) keeps one global
 tree per method for the whole run (registry.py): the runner empties it after the warm-up (and the
@@ -40,8 +41,8 @@ from ..target import device_sync
 from ..target import Target
 
 EXTRA_METHODS = ("auto",)  # accepted by --methods, never run by default (auto calibrates first)
-ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle3",
-               "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
+ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle2_sampled",
+               "eagle3", "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
                "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp", "mlp_speculator",
                "hybrid_mlp_speculator", "suffix", "suffix_tree", "hybrid_suffix", "hf_pld", "hf_assist")
 

@@ -41,6 +41,8 @@ INFO: Dict[str, Tuple[str, str, str, str]] = {
     "draft": ("Leviathan et al. 2023; Chen et al. 2023", "`DraftModelProposer`", "lossless", "05"),
     "eagle": ("Li et al. 2024 (EAGLE)", "`EagleProposer`", "lossless", "11"),
     "eagle2": ("Li et al. 2024 (EAGLE-2)", "`Eagle2Proposer`", "lossless", "11"),
+    "eagle2_sampled": ("EAGLE-2 tree, siblings without replacement (for Weng et al. 2025)", "`Eagle2SampledProposer`",
+                       "lossless", "-"),
     "eagle3": ("Li et al. 2025 (EAGLE-3)", "`EagleProposer` + `Eagle3Head`", "lossless", "11"),
     "eagle3_tree": ("Li et al. 2025 (EAGLE-3), EAGLE-2 tree", "`Eagle2Proposer`", "lossless", "11"),
     "hybrid": ("prompt lookup + EAGLE", "`HybridProposer`", "lossless", "10"),

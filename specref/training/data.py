@@ -70,6 +70,9 @@ class DistillConfig:
     # in batches of at most batch_size, so a chunk below batch_size caps the request batch (a GPU's
     # large batch wants request_chunk >= batch_size). None: min(256, max(batch_size, 2 * self_instruct)),
     # what the committed corpus parts were written with (their commands rebuild them unchanged)
+    refill: str = "row"  # scheduler.schedule's queue: "row" (a finished row takes the next prompt at
+    # once) or "batch" (static batches, each waiting for its slowest row); the answers are the same
+
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
@@ -83,6 +86,8 @@ class DistillConfig:
             raise ValueError(f"request_chunk must be None or an int >= 1, got {self.request_chunk!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.refill not in ("row", "batch"):
+            raise ValueError(f"refill must be 'row' or 'batch', got {self.refill!r}")
 
 
 def load_instructions(path=INSTRUCTIONS, limit: Optional[int] = None, seed: int = 0) -> List[dict]:
@@ -297,7 +302,7 @@ def _distill_rows(model, tokenizer, out: Path, prefix: str, rows: List[dict], co
         prompts = [chat_prompt_ids(tokenizer, r["instruction"]) for r in group]
         # one queue of batch_size rows (scheduler.py): a row whose answer ends takes the next prompt;
         # prompt i samples with its own generator (seed base + i), whatever the batch or the order
-        gen = schedule(model, NullProposer(), prompts, batch_size=config.batch_size, refill="row",
+        gen = schedule(model, NullProposer(), prompts, batch_size=config.batch_size, refill=config.refill,
                        max_new_tokens=config.max_new_tokens, temperature=config.temperature, eos_token_id=eos,
                        seed=config.seed * 100003 + (s + salt) * 1009)
         seqs: List[Seq] = [Seq(torch.tensor(p + gen.row(i)), len(p)) for i, p in enumerate(prompts)]

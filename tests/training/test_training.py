@@ -230,6 +230,29 @@ def test_distill_two_stages_and_resume(tmp_path):
         DistillConfig(passage_prompts=-1)
 
 
+def test_distill_refill_row_and_batch_answer_alike(tmp_path):
+    """The answers' queue (DistillConfig.refill): a finished row taking the next prompt, or static
+    batches, writes the same sequences at T > 0 (one generator per prompt); a bad name is refused."""
+    import json
+
+    from specref.training.data import DistillConfig, distill, iter_sequences
+
+    model = tiny_model("llama", vocab_size=96, num_layers=1, seed=0, init_std=0.2, logit_scale=2.0)
+    model.generation_config.eos_token_id = 40  # answers end at different steps: rows free up early
+    inst = tmp_path / "inst.jsonl"
+    inst.write_text("".join(json.dumps({"id": i, "category": "qa", "instruction": f"q {i}?"}) + "\n"
+                            for i in range(7)))
+    seqs = {}
+    for refill in ("row", "batch"):
+        cfg = DistillConfig(max_new_tokens=30, batch_size=3, shard_size=8, topk=0, temperature=1.0, refill=refill)
+        distill(model, _ByteTokenizer(), tmp_path / refill, cfg, instructions_path=inst, progress=False)
+        seqs[refill] = [q.tokens.tolist() for q in iter_sequences(tmp_path / refill)]
+    assert seqs["row"] == seqs["batch"] and len(seqs["row"]) == 7
+    assert len({len(x) for x in seqs["row"]}) > 1  # some answers ended early
+    with pytest.raises(ValueError, match="refill"):
+        DistillConfig(refill="never")
+
+
 def test_distill_real_passage_stage(tmp_path):
     from specref.training.corpus import Doc, Source, passage_requests
     from specref.training.data import DistillConfig, distill, iter_sequences, shard_paths

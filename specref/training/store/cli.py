@@ -46,6 +46,9 @@ def data_parser():
                          "(python-docs, debian-reference: corpus.passage_requests), answered by the target")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="with --self-instruct: longest answer")
     ap.add_argument("--gen-batch-size", type=int, default=64, help="with --self-instruct: prompts per batch")
+    ap.add_argument("--refill", choices=("row", "batch"), default="row",
+                    help="with --self-instruct / --num-instructions: the answers' queue (scheduler.py): a finished "
+                         "row takes the next prompt at once (row), or static batches (batch); same answers")
     ap.add_argument("--request-chunk", type=int, default=None, metavar="N",
                     help="with --self-instruct: requests sampled per resumable chunk, in batches of "
                          "--gen-batch-size, so a smaller chunk caps the request batch (default: min(256, "
@@ -105,7 +108,7 @@ def data_main(argv=None) -> int:
         dcfg = DistillConfig(seed=a.seed, num_instructions=a.num_instructions, max_new_tokens=a.max_new_tokens,
                              batch_size=a.gen_batch_size, topk=0, passage_prompts=a.passage_prompts,
                              self_instruct=a.self_instruct, real_passages=a.real_passages,
-                             request_chunk=a.request_chunk)
+                             request_chunk=a.request_chunk, refill=a.refill)
         passages = None
         if a.real_passages:
             grams = cont.dev_ngrams(evals) if evals else None
@@ -116,7 +119,9 @@ def data_main(argv=None) -> int:
                                  "development split's 13-gram filter")
             passages[1]["dev_overlap_checked_against"] = cont.checked_against(evals) or None
         dman = distill(target, tok, a.distilled, dcfg, passages=passages, evals=evals)
-        print(json.dumps({"distilled": a.distilled, "seconds": round(time.perf_counter() - t0, 1),
+        secs = time.perf_counter() - t0
+        print(json.dumps({"distilled": a.distilled, "seconds": round(secs, 1), "refill": a.refill,
+                          "answer_tokens_per_s": round(dman["counts"]["response_tokens"] / max(secs, 1e-9), 1),
                           "counts": dman["counts"]}), flush=True)
         if a.distill_only:
             return 0
