@@ -156,6 +156,35 @@ def run_batch_bench(cfg, sizes: List[int], questions: List[dict], command: str =
     return dict(meta=meta, rows={str(B): per for B, per in rows.items()}, queues=queues)
 
 
+def merge_batch_runs(results: List[dict]) -> dict:
+    """Batch runs of one setting at different B (one run per B, so a run cut short loses only its
+    B) as one result: rows and queues by B, 'vs ar B=1' from the B = 1 run's ar when there, the
+    commands joined, the durations summed. ValueError if model, questions, tokens or repeats differ."""
+    if not results:
+        raise ValueError("no batch runs to merge")
+    keys = ("model", "questions", "max_new_tokens", "repeats")
+    first = results[0]["meta"]
+    for r in results[1:]:
+        if any(r["meta"].get(k) != first.get(k) for k in keys):
+            raise ValueError(f"batch runs differ in {[k for k in keys if r['meta'].get(k) != first.get(k)]}")
+    rows, queues = {}, {}
+    for r in results:
+        rows.update(r["rows"])
+        queues.update(r.get("queues") or {})
+    order = lambda d: {B: d[B] for B in sorted(d, key=int)}  # noqa: E731
+    rows, queues = order(rows), order(queues)
+    ar1 = rows.get("1", {}).get("ar", {}).get("tok_s")
+    for per in rows.values():
+        for rec in per.values():
+            rec["vs_ar_b1"] = None if ar1 is None else rec["tok_s"] / ar1
+    metas = [r["meta"] for r in results]
+    meta = dict(first, command="; ".join(dict.fromkeys(m["command"] for m in metas)),
+                date=f"{min(m['date'] for m in metas)} to {max(m['date'] for m in metas)}",
+                sizes=[int(B) for B in rows], duration_s=sum(m["duration_s"] for m in metas),
+                skipped={k: v for m in metas for k, v in (m.get("skipped") or {}).items()})
+    return dict(meta=meta, rows=rows, queues=queues)
+
+
 def batch_markdown(result: dict) -> str:
     m = result["meta"]
     lines = [START, "## Batch size (throughput of every method at batch B)", "",

@@ -182,7 +182,7 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
         parts += [f"![speed-up and tau per method and category]({png})", ""]
     if batch is not None:
         if batch_file:
-            parts += [f"The batch table below is an earlier committed run, `{batch_file}`, rendered with `--batch-json`; "
+            parts += [f"The batch table below is earlier committed run(s), `{batch_file}`, rendered with `--batch-json`; "
                       "its command and date are stated with it.", ""]
         parts += ["\n".join(line for line in batch_markdown(batch).splitlines() if not line.startswith("<!--")), ""]
     if sampled:
@@ -232,8 +232,8 @@ def _run(a) -> Tuple[List[Path], Optional[Path]]:
               "--out", str(out)] + (["--threads", str(a.threads)] if a.threads else [])
     bench_main(["--methods", *bench_methods(), "--questions", a.questions] + common)
     batch = None
-    if a.batch_json:  # a committed batch run is rendered instead of a new one (its own command and date shown)
-        return [out / "bench.json"], Path(a.batch_json)
+    if a.batch_json:  # committed batch runs are rendered instead of a new one (their commands and dates shown)
+        return [out / "bench.json"], [Path(p) for p in a.batch_json]
     if a.batch_size and a.batch_size != [1]:
         methods = a.batch_methods or list(METHODS) + ["hf"]
         bench_main(["--methods", *methods, "--batch-size", *map(str, a.batch_size),
@@ -261,19 +261,26 @@ def main(argv=None) -> int:
     ap.add_argument("--sampled-json", nargs="+", default=None,
                     help="seeded runs at T > 0 (bench.json, one per verification rule and seed; benchmarks/sampled/) "
                          "rendered as the sampled table (sampled.py)")
-    ap.add_argument("--batch-json", default=None, help="render this batch.json (its own run, named with its "
-                    "command and date) instead of running the batch bench")
+    ap.add_argument("--batch-json", nargs="+", default=None, help="render this batch.json (its own run, named "
+                    "with its command and date) instead of running the batch bench; several: runs of one "
+                    "setting at different B, merged (batch.merge_batch_runs)")
     a = ap.parse_args(argv)
     commit = _git("rev-parse", "--short", "HEAD")
     if a.from_json:
-        paths, batch_path = [Path(p) for p in a.from_json], Path(a.batch_json) if a.batch_json else None
+        paths, batch_path = [Path(p) for p in a.from_json], [Path(p) for p in a.batch_json] if a.batch_json else None
     else:
         paths, batch_path = _run(a)
-    for p in paths + ([batch_path] if batch_path else []):
+    batch_path = [batch_path] if isinstance(batch_path, Path) else batch_path  # a new run's, or the files given
+    for p in paths + (batch_path or []):
         if not p.exists():
             raise ValueError(f"bench JSON {str(p)!r} does not exist")
     runs = load_runs(paths, None if a.from_json else commit)
-    batch = json.loads(batch_path.read_text(encoding="utf-8")) if batch_path else None
+    batch = None
+    if batch_path:
+        from .batch import merge_batch_runs
+
+        batch = [json.loads(p.read_text(encoding="utf-8")) for p in batch_path]
+        batch = batch[0] if len(batch) == 1 else merge_batch_runs(batch)
     out = Path(a.out)
     png = Path(a.bench_dir) / "bench.png"
     merged, _ = merge(runs)
@@ -288,7 +295,8 @@ def main(argv=None) -> int:
         sampled = sampled_markdown([Path(p) for p in a.sampled_json], [_rel(Path(p), REPO) for p in a.sampled_json])
     out.write_text(benchmarks_markdown(runs, batch, _rel(png, out.parent), commit, date,
                                         _rel(png.with_name("overall.png"), out.parent),
-                                        batch_file=a.batch_json and _rel(Path(a.batch_json), REPO),
+                                        batch_file=a.batch_json and ", ".join(_rel(Path(p), REPO)
+                                                                              for p in a.batch_json),
                                         sampled=sampled), encoding="utf-8")
     if a.readme != "none":
         splice_readme(Path(a.readme), methods_table(runs))

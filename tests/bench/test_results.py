@@ -61,6 +61,25 @@ def test_results_document_and_readme_table(tmp_path, monkeypatch):
     assert "a method added to the registry" in rows["`brand_new`"]
 
 
+def test_batch_runs_one_per_b_merge_into_one_table():
+    """merge_batch_runs: the rows of runs at different B in B order, 'vs ar B=1' from the B = 1 run,
+    the durations summed; runs of other settings are refused."""
+    from specref.bench.batch import batch_markdown, merge_batch_runs
+
+    b1, b4 = _batch(), _batch()
+    b1["rows"] = {"1": b1["rows"]["1"]}
+    b4["rows"] = {"4": dict(b4["rows"]["4"])}
+    b4["rows"]["4"]["ar"] = dict(b4["rows"]["4"]["ar"], vs_ar_b1=None)
+    b4["meta"] = dict(b4["meta"], command="python -m specref bench --batch-size 4", date="e")
+    b4["queues"] = {"4": {}}
+    m = merge_batch_runs([b4, b1])
+    assert list(m["rows"]) == ["1", "4"] and m["meta"]["sizes"] == [1, 4] and m["meta"]["duration_s"] == 120.0
+    assert m["rows"]["4"]["ar"]["vs_ar_b1"] == 3.0 and "--batch-size 4; " in m["meta"]["command"]
+    assert "| 4 | ar | 15.0 |" in batch_markdown(m)
+    with pytest.raises(ValueError, match="questions"):
+        merge_batch_runs([b1, dict(b4, meta=dict(b4["meta"], questions=3))])
+
+
 def test_readme_without_block_is_an_error(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# no block\n", encoding="utf-8")
