@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from .eagle_tree import Eagle2Config, Eagle2Proposer
 from .draft_model import to_target_vocab
+from .eagle_tree import Eagle2Proposer
 from .proposer import Context, Draft, Generators
 from .sampling import SamplingConfig, logits_to_probs, sample_from_probs, uniforms
 
@@ -55,10 +55,8 @@ def draw_without_replacement(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Eagle2SampledProposer(Eagle2Proposer):
     """Proposer protocol: EAGLE-2 trees from an EagleHead whose siblings are drawn without
     replacement from the head's q (module docstring); Draft.siblings="without", q per node the
-    parent's q over the target vocabulary. k = total_tokens."""
-
-    def __init__(self, head, config: Eagle2Config = Eagle2Config()):
-        super().__init__(head, config)
+    parent's q over the target vocabulary. k = total_tokens; Eagle2Proposer(head, Eagle2Config)'s
+    arguments."""
 
     def _propose(self, ctx: Context, sampling: SamplingConfig, generator: Generators) -> Draft:
         if sampling.greedy:
@@ -73,7 +71,7 @@ class Eagle2SampledProposer(Eagle2Proposer):
         val = torch.zeros(B, 1, device=dev)  # (B, F) log V of the nodes being expanded (the root: 0)
         rank = torch.zeros(B, 1, device=dev)  # (B, F) their log pi
         cur = self.pending(ctx).view(B, 1)  # (B, F) the tokens they were fed after
-        pool_s, pool_v, pool_t, pool_p, pool_q = [], [], [], [], []  # per level: (B, n) each
+        pool_s, pool_t, pool_p, pool_q = [], [], [], []  # per level: (B, n) each
         front = torch.full((B, 1), -1, dtype=torch.long, device=dev)  # (B, F) pool index, -1 the root
         q_all, q_base = [q], 0  # the q of each expanded node, (B, F, Vd) per level; q_base its offset
         f_par, f_hat, anc, n_pool = None, None, torch.zeros(B, 1, M, dtype=torch.bool, device=dev), 0
@@ -85,7 +83,6 @@ class Eagle2SampledProposer(Eagle2Proposer):
             s = torch.minimum(rank.unsqueeze(-1), val.unsqueeze(-1) + slot).reshape(B, F * K1)  # (B, F*K1) log pi
             v = (val.unsqueeze(-1) + torch.log(q.gather(-1, x))).reshape(B, F * K1)  # (B, F*K1) log V
             pool_s.append(s)
-            pool_v.append(v)
             pool_t.append(x.reshape(B, F * K1))
             pool_p.append(front.repeat_interleave(K1, dim=1))  # (B, F*K1) parent pool index
             pool_q.append((q_base + torch.arange(F, device=dev)).repeat_interleave(K1).expand(B, F * K1))

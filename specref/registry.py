@@ -55,8 +55,9 @@ LEARNED = {"draft": "draft", "hybrid_draft": "draft", "eagle": "eagle", "hybrid"
            "mlp_speculator": "mlp_speculator", "hybrid_mlp_speculator": "mlp_speculator", "hybrid_suffix": "eagle"}
 
 
+# methods that draft token trees (the rest: chains, or nothing)
 TREES = {"eagle2", "eagle2_sampled", "eagle3_tree", "hybrid_tree", "hybrid_eagle2", "medusa", "medusa_typical",
-         "hybrid_medusa", "hydra", "hybrid_hydra", "lookahead"}  # methods that draft token trees (the rest: chains, or nothing)
+         "hybrid_medusa", "hydra", "hybrid_hydra", "lookahead"}
 
 
 def verify_rules(name: str) -> Tuple[str, ...]:

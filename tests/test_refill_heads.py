@@ -1,6 +1,7 @@
 """reset_rows of the feature-reading proposers (eagle_head.py, eagle_tree.py, eagle3.py,
 medusa_heads.py with and without a prefix layer, mtp.py, mlp_speculator.py; the shared
-proposer.refill_context; hybrid.py over them) and of suffix.py (its request trees): a finished row takes the next request and its state restarts from that
+proposer.refill_context; hybrid.py over them) and of suffix.py (its request trees): a finished row
+takes the next request and its state restarts from that
 request's prefill features, the other rows untouched. Random heads (greedy parity holds for any
 draft); that the drafts of a refilled row are its request's alone is shown draft by draft against
 one fresh begin() per request (greedy drafts are a function of the request's context)."""

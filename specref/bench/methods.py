@@ -41,10 +41,10 @@ from ..target import device_sync
 from ..target import Target
 
 EXTRA_METHODS = ("auto",)  # accepted by --methods, never run by default (auto calibrates first)
-ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2", "eagle2_sampled",
-               "eagle3", "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2", "hybrid_eagle3", "medusa",
-               "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp", "mlp_speculator",
-               "hybrid_mlp_speculator", "suffix", "suffix_tree", "hybrid_suffix", "hf_pld", "hf_assist")
+ALL_METHODS = ("ar", "ar_fp32", "hf", "hf_static", "ngram", "lookahead", "draft", "eagle", "eagle2",
+               "eagle2_sampled", "eagle3", "eagle3_tree", "hybrid", "hybrid_tree", "hybrid_draft", "hybrid_eagle2",
+               "hybrid_eagle3", "medusa", "medusa_typical", "hybrid_medusa", "hydra", "hybrid_hydra", "mtp",
+               "mlp_speculator", "hybrid_mlp_speculator", "suffix", "suffix_tree", "hybrid_suffix", "hf_pld", "hf_assist")
 
 
 def load_model(cfg):

@@ -182,8 +182,8 @@ def benchmarks_markdown(runs: List[dict], batch: Optional[dict], png: Optional[s
         parts += [f"![speed-up and tau per method and category]({png})", ""]
     if batch is not None:
         if batch_file:
-            parts += [f"The batch table below is earlier committed run(s), `{batch_file}`, rendered with `--batch-json`; "
-                      "its command and date are stated with it.", ""]
+            parts += [f"The batch table below is earlier committed run(s), `{batch_file}`, rendered with "
+                      "`--batch-json`; its command and date are stated with it.", ""]
         parts += ["\n".join(line for line in batch_markdown(batch).splitlines() if not line.startswith("<!--")), ""]
     if sampled:
         parts += [sampled]

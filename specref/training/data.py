@@ -73,7 +73,6 @@ class DistillConfig:
     refill: str = "row"  # scheduler.schedule's queue: "row" (a finished row takes the next prompt at
     # once) or "batch" (static batches, each waiting for its slowest row); the answers are the same
 
-
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "batch_size", "shard_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
