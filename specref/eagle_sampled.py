@@ -30,8 +30,6 @@ depends on the others).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .draft_model import to_target_vocab
@@ -110,32 +108,14 @@ class Eagle2SampledProposer(Eagle2Proposer):
             q_all.append(q)
             cur, front = head.token_map[tok], pick + n_pool
             n_pool += F * K1
-        return self._rerank(ctx, pool_s, pool_t, pool_p, pool_q, torch.cat(q_all, 1))
+        return self._sampled_draft(ctx, pool_s, pool_t, pool_p, pool_q, torch.cat(q_all, 1))
 
-    def _rerank(self, ctx: Context, pool_s, pool_t, pool_p, pool_q, q_all: torch.Tensor) -> Draft:
-        """The best total_tokens nodes by pi (>= min_value, finite), in pool order (topological,
-        siblings in draw order). q_all (B, E, Vd): the q of every expanded node."""
-        cfg, head = self.tree, self.head
-        s_all, t_all, p_all, qi_all = (torch.cat(x, 1) for x in (pool_s, pool_t, pool_p, pool_q))  # (B, P)
-        B, P = s_all.shape
-        dev, N = s_all.device, min(cfg.total_tokens, P)
-        order = torch.sort(-s_all, dim=1, stable=True).indices[:, :N]  # (B, N) best first
-        s_top = s_all.gather(1, order)  # (B, N)
-        keep = (s_top >= (math.log(cfg.min_value) if cfg.min_value > 0 else -math.inf)) & torch.isfinite(s_top)
-        keep &= ctx.active.view(B, 1)
-        keep = keep.cumprod(1).bool()  # a prefix of the ranking: closed under parents and earlier draws
-        lengths = keep.sum(1)  # (B,)
-        sel = torch.sort(torch.where(keep, order, P), dim=1).values  # (B, N) pool order
-        real = sel < P
-        sel_c = sel.clamp(max=P - 1)
-        inv = torch.full((B, P + 1), -1, dtype=torch.long, device=dev)  # (B, P+1) pool -> node index
-        inv.scatter_(1, sel, torch.arange(N, device=dev).expand(B, N))
-        par_pool = p_all.gather(1, sel_c)  # (B, N)
-        parents = torch.where(real & (par_pool >= 0), inv.gather(1, par_pool.clamp(min=0)), -1)  # (B, N)
-        tokens = torch.where(real, head.token_map[t_all.gather(1, sel_c)], -1)  # (B, N) target ids
-        qi = qi_all.gather(1, sel_c)  # (B, N) which expanded node's q each node was drawn from
+    def _sampled_draft(self, ctx: Context, pool_s, pool_t, pool_p, pool_q, q_all: torch.Tensor) -> Draft:
+        """Eagle2Proposer._rerank over pi (siblings in draw order), each node with the q it was drawn
+        from. q_all (B, E, Vd): the q of every expanded node; pool_q its index per pool node."""
+        tokens, lengths, parents, sel = self._rerank(ctx, *(torch.cat(x, 1) for x in (pool_s, pool_t, pool_p)))
+        B, N = tokens.shape
+        qi = torch.cat(pool_q, 1).gather(1, sel)  # (B, N) which expanded node's q each node was drawn from
         qd = q_all.gather(1, qi.unsqueeze(-1).expand(-1, -1, q_all.shape[-1]))  # (B, N, Vd)
-        q = to_target_vocab(qd.reshape(B * N, -1), head.token_map, self.vocab_size).view(B, N, -1)  # (B, N, V)
-        self.drafted = (lengths * ctx.active).cpu().numpy()  # (B,)
-        self.tree_sizes.extend(self.drafted[ctx.active.cpu().numpy()].tolist())
+        q = to_target_vocab(qd.reshape(B * N, -1), self.head.token_map, self.vocab_size).view(B, N, -1)  # (B, N, V)
         return Draft(tokens=tokens, lengths=lengths, parents=parents, q=q, siblings="without")

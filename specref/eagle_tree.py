@@ -143,13 +143,24 @@ class Eagle2Proposer(EagleProposer):
                 front = pick + n_pool  # (B, F')
             n_pool += F * K1
         # 2. reranking: the best total_tokens nodes by V (a stable sort: parents before children)
-        s_all, t_all, p_all = torch.cat(pool_s, 1), torch.cat(pool_t, 1), torch.cat(pool_p, 1)  # (B, P)
-        P = s_all.shape[1]
-        N = min(cfg.total_tokens, P)
+        tokens, lengths, parents, _ = self._rerank(ctx, torch.cat(pool_s, 1), torch.cat(pool_t, 1),
+                                                   torch.cat(pool_p, 1))
+        return Draft(tokens=tokens, lengths=lengths, parents=parents, siblings="deterministic")
+
+    def _rerank(self, ctx: Context, s_all: torch.Tensor, t_all: torch.Tensor, p_all: torch.Tensor):
+        """The best total_tokens pool nodes by score s_all (B, P) (log V here; eagle_sampled.py's log
+        pi), finite and >= log min_value, in pool order (topological: parents first). t_all (B, P) draft
+        ids; p_all (B, P) parent pool index (-1 the root). Scores never grow from a parent to its
+        children, so the kept prefix of the ranking is closed under parents. Returns tokens (B, N)
+        target ids, lengths (B,), parents (B, N), and sel (B, N) the pool index of each node."""
+        B, P = s_all.shape
+        dev, N = s_all.device, min(self.tree.total_tokens, P)
         order = torch.sort(-s_all, dim=1, stable=True).indices[:, :N]  # (B, N) best first
-        keep = s_all.gather(1, order) >= (math.log(cfg.min_value) if cfg.min_value > 0 else -math.inf)  # (B, N)
-        keep &= ctx.active.view(B, 1)
-        lengths = keep.sum(1)  # (B,) a prefix of the ranking: closed under parents
+        s_top = s_all.gather(1, order)  # (B, N)
+        floor = math.log(self.tree.min_value) if self.tree.min_value > 0 else -math.inf
+        keep = (s_top >= floor) & torch.isfinite(s_top) & ctx.active.view(B, 1)  # (B, N)
+        keep = keep.cumprod(1).bool()  # a prefix of the ranking
+        lengths = keep.sum(1)  # (B,)
         sel = torch.sort(torch.where(keep, order, P), dim=1).values  # (B, N) pool order = topological
         real = sel < P  # (B, N)
         sel_c = sel.clamp(max=P - 1)
@@ -157,7 +168,7 @@ class Eagle2Proposer(EagleProposer):
         inv.scatter_(1, sel, torch.arange(N, device=dev).expand(B, N))
         par_pool = p_all.gather(1, sel_c)  # (B, N)
         parents = torch.where(real & (par_pool >= 0), inv.gather(1, par_pool.clamp(min=0)), -1)  # (B, N)
-        tokens = torch.where(real, head.token_map[t_all.gather(1, sel_c)], -1)  # (B, N) target ids
+        tokens = torch.where(real, self.head.token_map[t_all.gather(1, sel_c)], -1)  # (B, N) target ids
         self.drafted = (lengths * ctx.active).cpu().numpy()  # (B,)
         self.tree_sizes.extend(self.drafted[ctx.active.cpu().numpy()].tolist())
-        return Draft(tokens=tokens, lengths=lengths, parents=parents, siblings="deterministic")
+        return tokens, lengths, parents, sel_c
